@@ -1,0 +1,148 @@
+"""Metrics sink: Weights & Biases and ``metrics.jsonl``, with step de-duplication.
+
+Every row is logged at ``env_step``. A resumed run redoes the work after its checkpoint; those steps
+were possibly logged already by the process that died, so the sink never writes a step at or below
+its high-water mark, which it takes from the checkpoint, from ``metrics.jsonl`` and from the W&B
+offline segments of the same run. W&B itself drops such steps online; offline each process writes
+its own segment, so the sink must not put them there either.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+log = logging.getLogger(__name__)
+
+WANDB_KEYS = ("project", "entity", "name", "dir", "tags", "id", "resume", "mode", "group", "notes", "job_type")
+
+
+def default_wandb_mode(wandb_config: Dict[str, Any]) -> str:
+    """Explicit mode, else $WANDB_MODE, else online only when credentials exist.
+
+    Without an account the run is written offline instead of failing, so examples run anywhere;
+    `make sync` (or `wandb sync`) uploads it later.
+    """
+    if wandb_config.get("mode"):
+        return str(wandb_config["mode"])
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY") or Path("~/.netrc").expanduser().is_file():
+        return "online"
+    return "offline"
+
+
+class MetricsSink:
+    def __init__(self, wandb_config: Optional[Dict[str, Any]], metrics_path: Optional[str], enabled: bool = True):
+        self.wandb_config = dict(wandb_config) if wandb_config is not None else None
+        if self.wandb_config is not None:
+            unknown = sorted(set(self.wandb_config) - set(WANDB_KEYS) - {"config_sections"})
+            if unknown:
+                raise ValueError(f"wandb_config has unknown keys {unknown}; allowed: {list(WANDB_KEYS)}.")
+        self.metrics_path = Path(metrics_path) if metrics_path else None
+        self.enabled = enabled  # False on non-zero ranks
+        self.high_water = -1
+        self.run = None
+        self._identity: Optional[Dict[str, str]] = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self, run_config: Dict[str, Any], resume_identity: Optional[Dict[str, str]], last_logged_step: int) -> None:
+        self.high_water = max(self.high_water, int(last_logged_step))
+        if not self.enabled:
+            return
+        if self.metrics_path is not None:
+            self.high_water = max(self.high_water, self._repair_jsonl())
+        if self.wandb_config is None:
+            return
+        import wandb
+
+        cfg = dict(self.wandb_config)
+        if resume_identity and not cfg.get("id"):
+            cfg.update({k: v for k, v in resume_identity.items() if v})
+            cfg.setdefault("resume", "allow")
+        run_id = cfg.get("id") or uuid.uuid4().hex[:12]  # os.urandom: leaves the training RNG untouched
+        mode = default_wandb_mode(cfg)
+        wandb_dir = cfg.get("dir")
+        if wandb_dir:
+            Path(wandb_dir).mkdir(parents=True, exist_ok=True)
+            self.high_water = max(self.high_water, _offline_high_water(Path(wandb_dir), run_id))
+        init_kwargs = {k: cfg[k] for k in ("project", "entity", "name", "dir", "tags", "group", "notes", "job_type") if cfg.get(k)}
+        self.run = wandb.init(id=run_id, resume=cfg.get("resume"), mode=mode, config=run_config, **init_kwargs)
+        self._identity = {"id": self.run.id, "project": self.run.project or cfg.get("project")}
+        entity = getattr(self.run, "entity", None) or cfg.get("entity")
+        if entity:
+            self._identity["entity"] = entity
+
+    def identity(self) -> Optional[Dict[str, str]]:
+        return dict(self._identity) if self._identity else None
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+    # ---------------------------------------------------------------- logging
+    def log(self, step: int, metrics: Dict[str, Any]) -> bool:
+        """Log one row at `step`; False (and nothing written) when the step was logged before."""
+        if step <= self.high_water:
+            return False
+        self.high_water = step
+        if not self.enabled:
+            return True
+        if self.metrics_path is not None:
+            row = {"env_step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+            with open(self.metrics_path, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+        return True
+
+    def _repair_jsonl(self) -> int:
+        """Drop a torn last line left by a killed process; return the highest step in the file."""
+        path = self.metrics_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            return -1
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            keep = data[: data.rfind(b"\n") + 1]
+            log.warning("Dropping a torn last line of %s (a previous process died mid-write).", path)
+            with open(path, "wb") as fh:
+                fh.write(keep)
+            data = keep
+        high = -1
+        for line in data.decode().splitlines():
+            if line.strip():
+                high = max(high, int(json.loads(line)["env_step"]))
+        return high
+
+
+def _offline_high_water(wandb_dir: Path, run_id: str) -> int:
+    try:
+        from comlrl.wandb_offline import find_offline_runs
+    except ImportError:  # pragma: no cover - reader is part of the package
+        return -1
+    high = -1
+    try:
+        runs = find_offline_runs(wandb_dir)
+    except Exception as exc:  # a damaged segment must not stop training; jsonl/ckpt still guard steps
+        log.warning("Could not scan W&B offline segments in %s: %s", wandb_dir, exc)
+        return -1
+    for run in runs:
+        if run.run_id == run_id:
+            for row in run.history:
+                high = max(high, int(row.get("_step", -1)))
+    return high
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

@@ -1,0 +1,294 @@
+"""Rollout: batched sampling per agent, joint actions, reward scoring and returns.
+
+One home for sampling. A *node* is one prompt situation at one turn: every agent answers it with K
+samples. Joint actions combine one sample of each agent; the reward function scores them, once per
+batch of joint actions. Multi-turn rollouts form a tree: every joint action of turn t spawns a child
+node at turn t+1 whose prompts come from `external_transition`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from comlrl.losses import completion_mask
+
+JOINT_MODES = ("aligned", "cross")
+
+
+@dataclass
+class SamplingSettings:
+    num_generations: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: Optional[int]
+
+
+@dataclass
+class AgentSamples:
+    """One agent's K samples for each of a batch of prompts (rows are prompt-major)."""
+
+    prompts: List[str]
+    prompt_ids: torch.Tensor  # (B, P) left-padded
+    prompt_mask: torch.Tensor  # (B, P)
+    completion_ids: torch.Tensor  # (B*K, T)
+    completion_mask: torch.Tensor  # (B*K, T) bool: trained tokens
+    texts: List[str]  # (B*K)
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(dim=1)
+
+
+def _eos_ids(tokenizer, model) -> List[int]:
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if source is None:
+            continue
+        ids.update(source if isinstance(source, (list, tuple)) else [source])
+    if not ids:
+        raise ValueError(
+            f"Tokenizer {type(tokenizer).__name__} has no eos_token_id; set one (e.g. tokenizer.eos_token = ...)"
+            " so completions can end and be masked."
+        )
+    return sorted(ids)
+
+
+@torch.inference_mode()
+def sample_completions(model, tokenizer, prompts: Sequence[str], settings: SamplingSettings) -> AgentSamples:
+    """Sample K completions for every prompt in ONE `generate` call (left padding, KV cache)."""
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _eos_ids(tokenizer, model)[0]
+    previous_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
+    finally:
+        tokenizer.padding_side = previous_side
+    prompt_ids = enc["input_ids"].to(device)
+    prompt_mask = enc["attention_mask"].to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        sequences = model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            do_sample=True,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k if settings.top_k is not None else 0,
+            num_beams=1,
+            num_return_sequences=settings.num_generations,
+            max_new_tokens=settings.max_new_tokens,
+            pad_token_id=pad_id,
+            eos_token_id=_eos_ids(tokenizer, model),
+            use_cache=True,
+        )
+    finally:
+        model.train(was_training)
+    completion_ids = sequences[:, prompt_ids.shape[1]:]
+    if completion_ids.shape[1] == 0:  # every row stopped before producing a token (max_new_tokens=0)
+        raise ValueError("generate returned no completion tokens; max_new_tokens must be >= 1.")
+    mask = completion_mask(completion_ids, _eos_ids(tokenizer, model))
+    texts = tokenizer.batch_decode(
+        [row[: int(n)] for row, n in zip(completion_ids.tolist(), mask.sum(dim=1).tolist())],
+        skip_special_tokens=True,
+    )
+    return AgentSamples(list(prompts), prompt_ids, prompt_mask, completion_ids, mask, texts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reward calling
+# --------------------------------------------------------------------------------------------------
+
+
+def _callable_name(fn: Callable) -> str:
+    target = fn
+    while hasattr(target, "func"):  # functools.partial (Hydra's _partial_)
+        target = target.func
+    return getattr(target, "__qualname__", None) or type(target).__name__
+
+
+class RewardCaller:
+    """Calls a user reward function once per batch of joint actions, whatever form it takes.
+
+    Accepted forms (N agents, M joint actions, each completions list has length M):
+      f(completions1, ..., completionsN)             the seed's form for N=2
+      f(prompts, completions1, ..., completionsN)    first parameter named `prompts`
+      f(*completions)                                varargs
+      f(*, completions, prompts=None, batch_items=None)   keyword form (completions: N lists)
+    `batch_items=` (the dataset rows) is passed when the function declares it or takes **kwargs.
+    """
+
+    def __init__(self, fn: Callable, num_agents: int):
+        if not callable(fn):
+            raise TypeError(f"reward_func must be callable, got {type(fn).__name__}.")
+        self.fn = fn
+        self.num_agents = num_agents
+        self.name = _callable_name(fn)
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+        names = {p.name for p in params}
+        self.pass_batch_items = "batch_items" in names or any(p.kind == p.VAR_KEYWORD for p in params)
+        if any(p.kind == p.VAR_POSITIONAL for p in params):
+            self.form = "varargs"
+        elif positional and positional[0].name == "prompts" and len(positional) == num_agents + 1:
+            self.form = "prompts_first"
+        elif len(positional) == num_agents:
+            self.form = "positional"
+        elif "completions" in names:
+            self.form = "keyword"
+        else:
+            raise TypeError(
+                f"reward_func {self.name} takes {len(positional)} required positional parameter(s) "
+                f"({', '.join(p.name for p in positional) or 'none'}), but there are {num_agents} agents. "
+                f"Use f(completions1, ..., completions{num_agents}), f(prompts, completions1, ...), "
+                "f(*completions) or f(*, completions, prompts=None)."
+            )
+
+    def __call__(self, prompts: List[str], completions: List[List[str]], batch_items: List[dict]) -> List[float]:
+        expected = len(prompts)
+        extra = {"batch_items": batch_items} if self.pass_batch_items else {}
+        try:
+            if self.form == "keyword":
+                raw = self.fn(completions=completions, prompts=prompts, **extra)
+            elif self.form == "prompts_first":
+                raw = self.fn(prompts, *completions, **extra)
+            else:
+                raw = self.fn(*completions, **extra)
+        except Exception as exc:
+            raise RuntimeError(
+                f"reward_func {self.name} raised {type(exc).__name__}: {exc} "
+                f"(called with {self.num_agents} lists of {expected} completions)."
+            ) from exc
+        return self._validate(raw, expected)
+
+    def _validate(self, raw: Any, expected: int) -> List[float]:
+        if isinstance(raw, torch.Tensor):
+            raw = raw.detach().cpu().reshape(-1).tolist()
+        elif hasattr(raw, "tolist") and not isinstance(raw, (list, tuple)):
+            raw = raw.tolist()
+        if not isinstance(raw, (list, tuple)):
+            raise ValueError(
+                f"reward_func {self.name} returned {type(raw).__name__}; it must return a list of "
+                f"{expected} floats, one per joint action."
+            )
+        if len(raw) != expected:
+            raise ValueError(
+                f"reward_func {self.name} returned {len(raw)} rewards for {expected} joint actions; "
+                "return exactly one float per joint action (same order as the completions lists)."
+            )
+        values = []
+        for i, value in enumerate(raw):
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"reward_func {self.name} returned a non-number at index {i}: {value!r}.") from None
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"reward_func {self.name} returned {value} at index {i} (joint action {i}); rewards must be "
+                    "finite. Fix the reward (no silent substitute value is used)."
+                )
+            values.append(value)
+        return values
+
+
+# --------------------------------------------------------------------------------------------------
+# Turn batches: nodes, joint actions, returns
+# --------------------------------------------------------------------------------------------------
+
+
+def joint_action_indices(num_agents: int, k: int, joint_mode: str) -> torch.Tensor:
+    """(J, N) sample index of each agent in each joint action of one node."""
+    if joint_mode == "aligned":
+        return torch.arange(k).unsqueeze(1).expand(k, num_agents).clone()
+    if joint_mode == "cross":
+        return torch.tensor(list(itertools.product(range(k), repeat=num_agents)), dtype=torch.long)
+    raise ValueError(f"joint_mode must be one of {JOINT_MODES}, got {joint_mode!r}.")
+
+
+@dataclass
+class TurnBatch:
+    """All nodes of one turn of an update buffer."""
+
+    turn: int
+    items: List[dict]  # dataset row of each node
+    prompts: List[List[str]]  # [agent][node] prompt text used
+    samples: List[AgentSamples]  # per agent, rows node-major (node n, sample k) -> n*K + k
+    joint_index: torch.Tensor  # (J, N)
+    rewards: torch.Tensor  # (nodes, J) immediate rewards
+    parent: List[Optional[tuple]]  # (node in previous turn, joint action) or None
+    history_prompts: List[List[List[str]]] = field(default_factory=list)  # [node][agent] -> prompts so far
+    history_responses: List[List[List[str]]] = field(default_factory=list)  # [node][agent] -> responses so far
+    returns: Optional[torch.Tensor] = None  # (nodes, J)
+    expanded: Optional[torch.Tensor] = None  # (nodes,) bool: node has children
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.items)
+
+    def joint_completions(self) -> List[List[str]]:
+        """[agent][node*J + j] text of each agent's part of every joint action."""
+        k = self.samples[0].completion_ids.shape[0] // self.num_nodes
+        out = []
+        for agent, samples in enumerate(self.samples):
+            column = self.joint_index[:, agent].tolist()
+            out.append([samples.texts[n * k + idx] for n in range(self.num_nodes) for idx in column])
+        return out
+
+
+def score_turn(turn: TurnBatch, reward: RewardCaller, num_agents: int) -> None:
+    joint = turn.joint_completions()
+    j = turn.joint_index.shape[0]
+    prompts = [turn.prompts[0][n] for n in range(turn.num_nodes) for _ in range(j)]
+    items = [turn.items[n] for n in range(turn.num_nodes) for _ in range(j)]
+    values = reward(prompts, joint, items)
+    turn.rewards = torch.tensor(values, dtype=torch.float64).view(turn.num_nodes, j)
+
+
+def compute_returns(turns: List[TurnBatch], discount: float) -> None:
+    """Return of a joint action = its reward + discount * mean return of its child node's joint actions."""
+    for t in range(len(turns) - 1, -1, -1):
+        turn = turns[t]
+        returns = turn.rewards.clone()
+        if t + 1 < len(turns):
+            child_mean = turns[t + 1].returns.mean(dim=1)
+            for child, parent in enumerate(turns[t + 1].parent):
+                node, joint = parent
+                returns[node, joint] += discount * child_mean[child]
+        turn.returns = returns
+
+
+def completion_returns(turn: TurnBatch, agent: int, k: int) -> torch.Tensor:
+    """(nodes, K) return credited to each of this agent's completions.
+
+    aligned: the return of the joint action the completion forms. cross: the MEAN return over the
+    K^(N-1) joint actions the completion takes part in (a mean, not CoMLRL's sum, keeps returns on the
+    reward scale; with advantage normalisation both give the same advantages).
+    """
+    index = turn.joint_index[:, agent]
+    if torch.equal(index, torch.arange(k)) and turn.joint_index.shape[0] == k:
+        return turn.returns.clone()
+    sums = torch.zeros(turn.num_nodes, k, dtype=turn.returns.dtype)
+    counts = torch.zeros(k, dtype=turn.returns.dtype)
+    sums.index_add_(1, index, turn.returns)
+    counts.index_add_(0, index, torch.ones_like(index, dtype=turn.returns.dtype))
+    return sums / counts
+
+
+def metrics_for_turns(turns: List[TurnBatch]) -> Dict[str, float]:
+    out: Dict[str, float] = {}
+    for turn in turns:
+        prefix = f"turn_{turn.turn + 1}/"
+        out[prefix + "reward_mean"] = float(turn.rewards.mean())
+        out[prefix + "expected_return"] = float(turn.returns.mean())
+    return out

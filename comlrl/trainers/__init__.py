@@ -1,0 +1,1 @@
+"""Trainers. MAGRPO lives in `comlrl.trainers.reinforce`."""
