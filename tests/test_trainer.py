@@ -1,0 +1,270 @@
+"""Trainer behaviour in-process: learning, agent counts, reward forms, errors that lose nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+
+from comlrl.data import story_prompts
+from comlrl.models import load_causal_lm, load_tokenizer
+from comlrl.rewards import length_ratio_reward
+from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+from comlrl.utils import CheckpointError, find_latest_checkpoint
+
+
+@pytest.fixture
+def make_trainer(tiny_model_dir):
+    def build(num_agents=2, reward=length_ratio_reward, dataset=None, metrics_path=None, **config):
+        settings = dict(num_turns=1, num_train_epochs=1, num_generations=2, max_new_tokens=8, logging_steps=1,
+                        show_progress=False)
+        settings.update(config)
+        return MAGRPOTrainer(
+            agents=[load_causal_lm(tiny_model_dir) for _ in range(num_agents)],
+            tokenizer=load_tokenizer(tiny_model_dir),
+            reward_func=reward,
+            train_dataset=dataset if dataset is not None else story_prompts(),
+            args=MAGRPOConfig(**settings),
+            metrics_path=metrics_path,
+        )
+    return build
+
+
+def tree_digest(root: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(root).rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------------- learning
+
+def test_reward_rises_on_the_length_ratio_task(make_trainer, tmp_path):
+    """Fixed seed; the mean reward of the last quarter of updates clearly beats the first quarter."""
+    metrics = tmp_path / "metrics.jsonl"
+    trainer = make_trainer(num_train_epochs=20, num_generations=4, max_new_tokens=16, agent_learning_rate=3e-3,
+                           metrics_path=str(metrics))
+    trainer.train()
+    rewards = [r["turn_1/reward_mean"] for r in rows(metrics)]
+    assert len(rewards) == 40
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.1, (first, last)
+
+
+# ------------------------------------------------------------------------------ agents and forms
+
+def test_three_agents_with_a_three_argument_reward(make_trainer, tmp_path):
+    calls = []
+
+    def three_way(c1, c2, c3):
+        calls.append(len(c1))
+        return [float(len(a) + len(b) - len(c)) for a, b, c in zip(c1, c2, c3)]
+
+    trainer = make_trainer(num_agents=3, reward=three_way, metrics_path=str(tmp_path / "m.jsonl"))
+    trainer.train()
+    assert len(trainer.agents) == 3
+    # once per batch of joint actions: 2 prompts x K=2 per update, 2 updates
+    assert calls == [4, 4]
+    assert [r["env_step"] for r in rows(tmp_path / "m.jsonl")] == [4, 8]
+    assert "agent_2/loss" in rows(tmp_path / "m.jsonl")[0]
+
+
+def test_cross_mode_scores_all_combinations(make_trainer, tmp_path):
+    seen = []
+
+    def reward(completions1, completions2):
+        seen.append(len(completions1))
+        return [0.0] * len(completions1)
+
+    make_trainer(reward=reward, joint_mode="cross", num_generations=3, metrics_path=str(tmp_path / "m.jsonl")).train()
+    assert seen == [2 * 9, 2 * 9]  # 2 prompts x 3^2 combinations
+    assert [r["env_step"] for r in rows(tmp_path / "m.jsonl")] == [18, 36]
+
+
+@pytest.mark.parametrize("form", ["prompts_first", "varargs", "keyword", "batch_items"])
+def test_reward_forms(make_trainer, form):
+    got = {}
+
+    def prompts_first(prompts, completions1, completions2):
+        got.setdefault("prompts", prompts)
+        return [1.0] * len(prompts)
+
+    def varargs(*completions):
+        got["n"] = len(completions)
+        return [1.0] * len(completions[0])
+
+    def keyword(*, completions, prompts=None):
+        got["n"] = len(completions)
+        return [1.0] * len(prompts)
+
+    def batch_items(completions1, completions2, batch_items=None):
+        got.setdefault("items", batch_items)
+        return [1.0] * len(completions1)
+
+    fn = {"prompts_first": prompts_first, "varargs": varargs, "keyword": keyword, "batch_items": batch_items}[form]
+    make_trainer(reward=fn).train()
+    if form == "prompts_first":
+        assert got["prompts"][0] == "Describe a city in the clouds:" and len(got["prompts"]) == 4
+    elif form == "batch_items":
+        assert got["items"][0]["prompt"] == "Describe a city in the clouds:"
+    else:
+        assert got["n"] == 2
+
+
+def test_heterogeneous_agents_and_one_tokenizer_each(tiny_model_dir, tiny_medium_model_dir):
+    trainer = MAGRPOTrainer(
+        agents=[load_causal_lm(tiny_model_dir), load_causal_lm(tiny_medium_model_dir)],
+        tokenizer=[load_tokenizer(tiny_model_dir), load_tokenizer(tiny_medium_model_dir)],
+        reward_func=length_ratio_reward, train_dataset=story_prompts(),
+        args=MAGRPOConfig(num_turns=1, num_train_epochs=1, num_generations=2, max_new_tokens=4, show_progress=False),
+    )
+    before = [p.detach().clone() for p in trainer.agents[1].parameters()]
+    trainer.train()
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.agents[1].parameters()))
+
+
+# ------------------------------------------------------------------------ errors that lose nothing
+
+@pytest.fixture
+def finished_run(make_trainer, tmp_path):
+    """A 2-epoch run with checkpoint-1 and checkpoint-2 on disk."""
+    checkpoints = tmp_path / "checkpoints"
+    make_trainer(num_train_epochs=2).train(checkpoint_dir=str(checkpoints))
+    return checkpoints
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda c1, c2: [1.0] * (len(c1) - 1), r"returned 3 rewards for 4 joint actions"),
+    (lambda c1, c2: [float("nan")] * len(c1), r"returned nan at index 0"),
+    (lambda c1, c2: [1.0, float("inf")] + [0.0] * (len(c1) - 2), r"returned inf at index 1"),
+    (lambda c1, c2: 1 / 0, r"raised ZeroDivisionError"),
+    (lambda c1, c2: "good", r"returned str"),
+])
+def test_bad_reward_outputs_name_the_function(make_trainer, finished_run, bad, message):
+    before = tree_digest(finished_run)
+    trainer = make_trainer(reward=bad, num_train_epochs=3, allow_resume_drift=["reward_func"])
+    with pytest.raises((ValueError, RuntimeError), match=message) as info:
+        trainer.train(checkpoint_dir=str(finished_run), resume_from_checkpoint="auto")
+    assert "<lambda>" in str(info.value)
+    assert tree_digest(finished_run) == before
+
+
+def test_drifted_config_on_resume_lists_every_changed_key(make_trainer, finished_run):
+    before = tree_digest(finished_run)
+    trainer = make_trainer(num_train_epochs=4, temperature=0.9, agent_learning_rate=1e-3)
+    with pytest.raises(ValueError) as info:
+        trainer.train(checkpoint_dir=str(finished_run), resume_from_checkpoint="auto")
+    text = str(info.value)
+    assert "temperature: checkpoint 0.6 -> now 0.9" in text and "agent_learning_rate" in text
+    assert "Nothing was written" in text and "num_train_epochs" not in text.split("\n")[1]
+    assert tree_digest(finished_run) == before
+
+
+def test_drifted_reward_function_and_dataset_are_refused(make_trainer, finished_run):
+    before = tree_digest(finished_run)
+
+    def other_reward(completions1, completions2):
+        return [0.0] * len(completions1)
+
+    shuffled = Dataset.from_dict({"prompt": list(reversed(story_prompts()["prompt"]))})
+    with pytest.raises(ValueError) as info:
+        make_trainer(reward=other_reward, dataset=shuffled, num_train_epochs=3).train(
+            checkpoint_dir=str(finished_run), resume_from_checkpoint="auto")
+    assert "fingerprint reward_func" in str(info.value) and "fingerprint train_dataset" in str(info.value)
+    assert tree_digest(finished_run) == before
+
+
+def test_escape_hatch_allows_a_deliberate_change(make_trainer, finished_run):
+    trainer = make_trainer(num_train_epochs=3, temperature=0.9, allow_resume_drift=["temperature"])
+    trainer.train(checkpoint_dir=str(finished_run), resume_from_checkpoint="auto")
+    assert (finished_run / "checkpoint-3").is_dir()
+
+
+def test_checkpoint_past_num_train_epochs(make_trainer, finished_run):
+    before = tree_digest(finished_run)
+    with pytest.raises(ValueError, match="already completed 2 epochs, more than num_train_epochs=1"):
+        make_trainer(num_train_epochs=1).train(checkpoint_dir=str(finished_run),
+                                               resume_from_checkpoint=str(finished_run / "checkpoint-2"))
+    assert tree_digest(finished_run) == before
+
+
+def test_finished_run_with_same_epochs_does_nothing(make_trainer, finished_run):
+    before = tree_digest(finished_run)
+    summary = make_trainer(num_train_epochs=2).train(checkpoint_dir=str(finished_run), resume_from_checkpoint="auto")
+    assert summary["env_step"] == 16 and tree_digest(finished_run) == before
+
+
+def test_fresh_run_refuses_another_runs_checkpoint_dir(make_trainer, finished_run):
+    before = tree_digest(finished_run)
+    with pytest.raises(ValueError, match="already holds checkpoints of another run"):
+        make_trainer(num_train_epochs=2).train(checkpoint_dir=str(finished_run))
+    assert tree_digest(finished_run) == before
+
+
+def test_missing_checkpoint_path(make_trainer, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        make_trainer().train(resume_from_checkpoint=str(tmp_path / "nope"))
+
+
+def test_torn_checkpoint_is_skipped_for_latest_and_refused_by_name(make_trainer, finished_run):
+    weights = finished_run / "checkpoint-2" / "agent_0" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated, as by a full disk
+    with pytest.warns(UserWarning, match="Skipping damaged checkpoint .*checkpoint-2.*truncated"):
+        assert find_latest_checkpoint(finished_run).name == "checkpoint-1"
+    with pytest.raises(CheckpointError, match=r"agent_0/model.safetensors is truncated"):
+        make_trainer(num_train_epochs=3).train(checkpoint_dir=str(finished_run),
+                                               resume_from_checkpoint=str(finished_run / "checkpoint-2"))
+    (finished_run / "checkpoint-1" / "manifest.json").unlink()  # as if the write died before the manifest
+    with pytest.warns(UserWarning, match="manifest.json is missing"):
+        assert find_latest_checkpoint(finished_run) is None
+
+
+def test_unwritable_checkpoint_dir(make_trainer, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a dir")
+    with pytest.raises(PermissionError, match="not writable"):
+        make_trainer().train(checkpoint_dir=str(blocker / "checkpoints"))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_generations=1), "num_generations must be >= 2"),
+    (dict(joint_mode="crossed"), "joint_mode must be one of"),
+    (dict(advantage_mode="median"), "advantage_mode must be one of"),
+    (dict(top_p=0.0), "top_p must be in"),
+])
+def test_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MAGRPOConfig(**kwargs)
+
+
+def test_unknown_config_key_is_a_type_error():
+    with pytest.raises(TypeError, match="num_generation"):
+        MAGRPOConfig(num_generation=4)
+
+
+def test_dataset_errors(make_trainer):
+    with pytest.raises(ValueError, match="no field 'prompt'.*fields: \\['text'\\]"):
+        make_trainer(dataset=Dataset.from_dict({"text": ["a"]}))
+    with pytest.raises(ValueError, match="train_dataset is empty"):
+        make_trainer(dataset=Dataset.from_dict({"prompt": []}))
+
+
+def test_multi_turn_default_needs_a_transition(make_trainer):
+    with pytest.raises(ValueError, match="num_turns=2 needs an external_transition"):
+        make_trainer(num_turns=2)
+
+
+def test_wrong_reward_arity(make_trainer):
+    with pytest.raises(TypeError, match="but there are 3 agents"):
+        make_trainer(num_agents=3, reward=length_ratio_reward)
