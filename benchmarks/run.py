@@ -1,0 +1,450 @@
+"""Side-by-side MAGRPO benchmark: our `comlrl` vs CoMLRL 1.4.3 from PyPI.
+
+Run with the project venv (it imports our tiny-model builder)::
+
+    .venv/bin/python benchmarks/run.py                    # all workloads, 3 alternating repeats
+    .venv/bin/python benchmarks/run.py --update-readme    # ... and rewrite the README table
+    .venv/bin/python benchmarks/run.py --smoke            # quick check that the harness runs
+
+Both libraries import as `comlrl`, so CoMLRL lives in its own venv, `benchmarks/.venv-ref`
+(created here if missing). Each measurement is a fresh subprocess of `benchmarks/workload.py`
+under one interpreter or the other; runs alternate ours / CoMLRL / ours / CoMLRL ... so slow drift
+on a shared machine hits both sides alike. See benchmarks/README.md for what is timed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# benchmarks/profile.py would shadow the standard library's `profile` module (which `cProfile`,
+# and through it torch/transformers, import) while this folder is sys.path[0]. Drop the folder.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+WORKLOAD = BENCH_DIR / "workload.py"
+REF_VENV = BENCH_DIR / ".venv-ref"
+REF_PY = REF_VENV / "bin" / "python"
+CACHE = BENCH_DIR / ".cache"
+RESULTS = BENCH_DIR / "results"
+README = BENCH_DIR / "README.md"
+CONSTRAINTS = REPO / "constraints.txt"
+
+REF_VERSION = "1.4.3"
+# Always pinned in the same pip command: a CPU wheel of this torch is on disk, while an unpinned
+# torch would pull a multi-GB CUDA build.
+REF_TORCH = "torch==2.13.0"
+
+TABLE_START = "<!-- bench:table:start -->"
+TABLE_END = "<!-- bench:table:end -->"
+
+LIBS = {"ours": "ours", "reference": f"CoMLRL {REF_VERSION}"}
+
+
+def ours_python() -> str:
+    venv_py = REPO / ".venv" / "bin" / "python"
+    return str(venv_py) if venv_py.exists() else sys.executable
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    size: str
+    prompts: int
+    num_generations: int
+    epochs: int
+    max_new_tokens: int = 64
+
+    def describe(self) -> str:
+        return (
+            f"{self.size} model, {self.prompts} prompts, K={self.num_generations}, "
+            f"{self.max_new_tokens} tokens, {self.epochs} epoch{'s' if self.epochs > 1 else ''}"
+        )
+
+
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("S-small", "small", prompts=4, num_generations=4, epochs=4),
+        Workload("S-medium", "medium", prompts=4, num_generations=4, epochs=4),
+        Workload("L", "medium", prompts=32, num_generations=8, epochs=1),
+    )
+}
+SMOKE = Workload("smoke", "small", prompts=4, num_generations=4, epochs=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Environment preparation
+# ------------------------------------------------------------------------------------------------
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def ref_venv_ok() -> bool:
+    if not REF_PY.exists():
+        return False
+    probe = subprocess.run(
+        [str(REF_PY), "-c", "import importlib.metadata as m; print(m.version('comlrl'))"],
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        cwd=tempfile.gettempdir(),
+    )
+    return probe.returncode == 0 and probe.stdout.strip() == REF_VERSION
+
+
+def ensure_ref_venv() -> None:
+    """Create benchmarks/.venv-ref with CoMLRL 1.4.3 unless it is already there (idempotent)."""
+    if ref_venv_ok():
+        return
+    _log(f"[bench] creating {REF_VENV} with comlrl=={REF_VERSION} ...")
+    if not REF_PY.exists():
+        subprocess.run(["python3", "-m", "venv", str(REF_VENV)], check=True)
+    cmd = [str(REF_PY), "-m", "pip", "install", "--quiet"]
+    if CONSTRAINTS.exists():
+        cmd += ["-c", str(CONSTRAINTS)]
+    cmd += [REF_TORCH, f"comlrl=={REF_VERSION}"]
+    subprocess.run(cmd, check=True, env=_clean_env(), cwd=tempfile.gettempdir())
+    if not ref_venv_ok():
+        raise SystemExit(f"{REF_VENV} does not provide comlrl {REF_VERSION} after install")
+
+
+def model_dir(size: str) -> Path:
+    """benchmarks/.cache/tiny-qwen2-<size>-<spec hash>, built with our builder if missing."""
+    from comlrl.models.tiny import spec_hash  # run.py runs under our venv
+
+    out = CACHE / f"tiny-qwen2-{size}-{spec_hash(size)}"
+    if not (out / "comlrl_tiny_model.json").exists():
+        _log(f"[bench] building tiny {size} model in {out}")
+        subprocess.run(
+            [ours_python(), "-m", "comlrl.models.tiny", str(out), "--size", size],
+            check=True,
+            env=_env_for("ours"),
+            cwd=str(REPO),
+            stdout=subprocess.DEVNULL,
+        )
+    return out
+
+
+def _clean_env() -> dict:
+    env = dict(os.environ)
+    for key in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "PYTHONSAFEPATH"):
+        env.pop(key, None)
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        OPENBLAS_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        WANDB_SILENT="true",
+        PYTHONHASHSEED="0",
+    )
+    return env
+
+
+def _env_for(lib: str) -> dict:
+    env = _clean_env()
+    if lib == "ours":
+        env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def _interpreter(lib: str) -> str:
+    return ours_python() if lib == "ours" else str(REF_PY)
+
+
+# ------------------------------------------------------------------------------------------------
+# Running
+# ------------------------------------------------------------------------------------------------
+
+
+def run_once(lib: str, wl: Workload, mdir: Path, seed: int, log_dir: Path, idx: int) -> dict:
+    """One fresh workload process; returns its result JSON (verified to be the right library)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="comlrl-bench-") as tmp:
+        out_json = Path(tmp) / "result.json"
+        cmd = [
+            _interpreter(lib),
+            str(WORKLOAD),
+            "--model-dir", str(mdir),
+            "--prompts", str(wl.prompts),
+            "--num-generations", str(wl.num_generations),
+            "--epochs", str(wl.epochs),
+            "--max-new-tokens", str(wl.max_new_tokens),
+            "--seed", str(seed),
+            "--expect-library", lib,
+            "--json-out", str(out_json),
+        ]
+        # Ours runs from the repo root with PYTHONPATH=repo; the reference runs from a temp dir
+        # with no PYTHONPATH so nothing of this checkout can shadow the PyPI `comlrl`.
+        cwd = str(REPO) if lib == "ours" else tmp
+        log_path = log_dir / f"{wl.name}-{lib}-{idx}.log"
+        with open(log_path, "w", encoding="utf-8") as log:
+            proc = subprocess.run(
+                cmd, cwd=cwd, env=_env_for(lib), stdout=log, stderr=subprocess.STDOUT
+            )
+        if proc.returncode != 0 or not out_json.exists():
+            tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
+            raise SystemExit(
+                f"[bench] {wl.name} / {lib} failed (exit {proc.returncode}); log {log_path}:\n{tail}"
+            )
+        result = json.loads(out_json.read_text())
+    comlrl_file = Path(result["comlrl_file"])
+    expected_root = REPO / "comlrl" if lib == "ours" else REF_VENV
+    if expected_root.resolve() not in comlrl_file.resolve().parents:
+        raise SystemExit(f"[bench] {lib} imported comlrl from {comlrl_file}, not {expected_root}")
+    return result
+
+
+def summarise(runs: list[dict]) -> dict:
+    times = [r["train_s"] for r in runs]
+    rss = [r["peak_rss_mb"] for r in runs]
+    return {
+        "n": len(runs),
+        "median_train_s": statistics.median(times),
+        "min_train_s": min(times),
+        "max_train_s": max(times),
+        "median_train_s_per_epoch": statistics.median(r["train_s_per_epoch"] for r in runs),
+        "peak_rss_mb": max(rss),
+        "median_peak_rss_mb": statistics.median(rss),
+        "comlrl_version": runs[0]["comlrl_version"],
+        "comlrl_file": runs[0]["comlrl_file"],
+        "torch": runs[0]["torch"],
+        "transformers": runs[0]["transformers"],
+        "train_s": times,
+    }
+
+
+def run_workload(wl: Workload, libs: list[str], repeats: int, seed: int, log_dir: Path) -> dict:
+    mdir = model_dir(wl.size)
+    runs: dict[str, list[dict]] = {lib: [] for lib in libs}
+    for rep in range(repeats):
+        for lib in libs:  # A B A B ...
+            res = run_once(lib, wl, mdir, seed, log_dir, rep)
+            runs[lib].append(res)
+            _log(
+                f"[bench] {wl.name:9s} {LIBS[lib]:13s} run {rep + 1}/{repeats}: "
+                f"{res['train_s']:.2f} s, peak RSS {res['peak_rss_mb']:.0f} MB"
+            )
+    entry = {"workload": asdict(wl), "description": wl.describe()}
+    for lib in libs:
+        entry[lib] = summarise(runs[lib])
+    if "ours" in entry and "reference" in entry:
+        entry["ratio_reference_over_ours"] = (
+            entry["reference"]["median_train_s"] / entry["ours"]["median_train_s"]
+        )
+    return entry
+
+
+# ------------------------------------------------------------------------------------------------
+# Reporting
+# ------------------------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def loadavg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def machine_info(results: dict) -> dict:
+    versions = {}
+    for entry in results.values():
+        for lib in LIBS:
+            if lib in entry:
+                versions.setdefault(lib, {"torch": entry[lib]["torch"],
+                                          "transformers": entry[lib]["transformers"]})
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": versions,
+    }
+
+
+def _fmt_s(summary: dict | None) -> str:
+    if summary is None:
+        return "–"
+    return f"{summary['median_train_s']:.2f}"
+
+
+def _fmt_rss(summary: dict | None) -> str:
+    return "–" if summary is None else f"{summary['peak_rss_mb']:.0f}"
+
+
+def markdown_table(results: dict) -> str:
+    ref = LIBS["reference"]
+    lines = [
+        f"| workload | setting | ours (s) | {ref} (s) | {ref} / ours | "
+        f"ours peak RSS (MB) | {ref} peak RSS (MB) | runs |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, entry in results.items():
+        ours, refs = entry.get("ours"), entry.get("reference")
+        ratio = entry.get("ratio_reference_over_ours")
+        runs = "/".join(str(s["n"]) for s in (ours, refs) if s is not None)
+        lines.append(
+            f"| {name} | {entry['description']} | {_fmt_s(ours)} | {_fmt_s(refs)} | "
+            f"{'–' if ratio is None else f'{ratio:.2f}×'} | {_fmt_rss(ours)} | {_fmt_rss(refs)} "
+            f"| {runs} |"
+        )
+    return "\n".join(lines)
+
+
+def machine_line(info: dict, date: str) -> str:
+    v = info["versions"]
+    vers = "; ".join(
+        f"{LIBS[lib]}: torch {d['torch']}, transformers {d['transformers']}" for lib, d in v.items()
+    )
+    load = ""
+    if info.get("loadavg_start"):
+        load = f" Load average (1 min) {info['loadavg_start'][0]} at start"
+        if info.get("loadavg_end"):
+            load += f", {info['loadavg_end'][0]} at end"
+        load += "."
+    return (
+        f"Measured {date} on {info['cpu']} ({info['cores']} cores), 1 torch thread, "
+        f"Python {info['python']}; {vers}.{load}"
+    )
+
+
+def update_readme(table: str, info: dict, date: str, repeats: int) -> None:
+    text = README.read_text(encoding="utf-8")
+    if TABLE_START not in text or TABLE_END not in text:
+        raise SystemExit(f"{README} lacks the {TABLE_START} / {TABLE_END} markers")
+    head, rest = text.split(TABLE_START, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    body = (
+        f"{TABLE_START}\n{machine_line(info, date)} Median of {repeats} alternating runs each "
+        f"(seconds of `trainer.train()`); peak RSS is the max over runs.\n\n{table}\n{TABLE_END}"
+    )
+    README.write_text(head + body + tail, encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="ours vs CoMLRL 1.4.3, side by side")
+    p.add_argument("--repeats", type=int, default=3, help="runs per library per workload")
+    p.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help=f"comma list of {list(WORKLOADS)}"
+    )
+    p.add_argument(
+        "--only", choices=["ours", "reference"], default=None, help="measure one library only"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one tiny workload (small model, 1 epoch), 1 run, ours only unless --with-reference",
+    )
+    p.add_argument("--with-reference", action="store_true", help="with --smoke: also CoMLRL")
+    p.add_argument("--update-readme", action="store_true", help="rewrite the README table")
+    p.add_argument("--json-out", default=None, help="results file (default results/<date>.json)")
+    p.add_argument("--no-save", action="store_true", help="do not write a results file")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+
+    if args.smoke:
+        workloads = [SMOKE]
+        repeats = 1
+        libs = ["ours", "reference"] if args.with_reference else ["ours"]
+    else:
+        names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+        unknown = [n for n in names if n not in WORKLOADS]
+        if unknown:
+            raise SystemExit(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
+        workloads = [WORKLOADS[n] for n in names]
+        repeats = args.repeats
+        libs = ["ours", "reference"]
+    if args.only:
+        libs = [args.only]
+
+    if "reference" in libs:
+        ensure_ref_venv()
+
+    date = _dt.date.today().isoformat()
+    load_start = loadavg()
+    if load_start and load_start[0] > 0.5 * (os.cpu_count() or 1):
+        _log(
+            f"[bench] warning: load average {load_start[0]} on {os.cpu_count()} cores; "
+            "other processes will slow both sides (alternation keeps the ratio fairer)"
+        )
+    log_dir = CACHE / "logs" / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    results = {}
+    for wl in workloads:
+        results[wl.name] = run_workload(wl, libs, repeats, args.seed, log_dir)
+
+    info = machine_info(results)
+    info["loadavg_start"] = load_start
+    info["loadavg_end"] = loadavg()
+    table = markdown_table(results)
+    print(machine_line(info, date))
+    print()
+    print(table)
+
+    payload = {
+        "date": date,
+        "timestamp": _dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": info,
+        "repeats": repeats,
+        "seed": args.seed,
+        "libraries": libs,
+        "smoke": bool(args.smoke),
+        "results": results,
+    }
+    save_to = None
+    if args.json_out:
+        save_to = Path(args.json_out)
+    elif not args.no_save and not args.smoke:
+        save_to = RESULTS / f"{date}.json"
+    if save_to is not None:
+        save_to.parent.mkdir(parents=True, exist_ok=True)
+        save_to.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        _log(f"[bench] wrote {save_to}")
+    if args.update_readme:
+        if args.smoke:
+            raise SystemExit("--update-readme needs a full run, not --smoke")
+        update_readme(table, info, date, repeats)
+        _log(f"[bench] updated {README}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
