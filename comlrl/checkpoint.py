@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
-from comlrl import __version__ as COMLRL_VERSION
+from comlrl import faults
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,7 @@ def save_checkpoint(
         # save_model handles tied weights (embeddings shared with the LM head).
         save_model(_unwrap(agent), str(agent_dir / "model.safetensors"))
         torch.save(optimizer.state_dict(), agent_dir / "optimizer.pt")
+    faults.point("checkpoint_files")
     torch.save(capture_rng_state(), tmp / "rng_state.pt")
     _write_json(tmp / "trainer_state.json", trainer_state)
     _write_json(tmp / "metadata.json", metadata)
@@ -205,6 +206,7 @@ def save_checkpoint(
     else:
         os.rename(tmp, target)
     _fsync_dir(parent)
+    faults.point("checkpoint_renamed")
     return target
 
 

@@ -1,10 +1,10 @@
 """Metrics sink: Weights & Biases and ``metrics.jsonl``, with step de-duplication.
 
 Every row is logged at ``env_step``. A resumed run redoes the work after its checkpoint; those steps
-were possibly logged already by the process that died, so the sink never writes a step at or below
-its high-water mark, which it takes from the checkpoint, from ``metrics.jsonl`` and from the W&B
-offline segments of the same run. W&B itself drops such steps online; offline each process writes
-its own segment, so the sink must not put them there either.
+were possibly logged already by the process that died. Each destination keeps its own high-water
+mark, so a step reaches each exactly once: ``metrics.jsonl``'s is read from the file itself, the W&B
+one from the offline segments of the same run id (a row can reach the file and die before W&B, or
+the other way round). Online, W&B drops such steps itself.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import os
 import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional
+
+from comlrl import faults
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +48,19 @@ class MetricsSink:
                 raise ValueError(f"wandb_config has unknown keys {unknown}; allowed: {list(WANDB_KEYS)}.")
         self.metrics_path = Path(metrics_path) if metrics_path else None
         self.enabled = enabled  # False on non-zero ranks
-        self.high_water = -1
+        self.jsonl_high = -1
+        self.wandb_high = -1
         self.run = None
         self._identity: Optional[Dict[str, str]] = None
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, run_config: Dict[str, Any], resume_identity: Optional[Dict[str, str]], last_logged_step: int) -> None:
-        self.high_water = max(self.high_water, int(last_logged_step))
+        """Open the destinations. `last_logged_step` is the checkpoint's: rows up to it are final."""
+        self.jsonl_high = self.wandb_high = int(last_logged_step)
         if not self.enabled:
             return
         if self.metrics_path is not None:
-            self.high_water = max(self.high_water, self._repair_jsonl())
+            self.jsonl_high = max(self.jsonl_high, self._repair_jsonl())
         if self.wandb_config is None:
             return
         import wandb
@@ -67,16 +71,35 @@ class MetricsSink:
             cfg.setdefault("resume", "allow")
         run_id = cfg.get("id") or uuid.uuid4().hex[:12]  # os.urandom: leaves the training RNG untouched
         mode = default_wandb_mode(cfg)
-        wandb_dir = cfg.get("dir")
-        if wandb_dir:
-            Path(wandb_dir).mkdir(parents=True, exist_ok=True)
-            self.high_water = max(self.high_water, _offline_high_water(Path(wandb_dir), run_id))
+        wandb_dir = Path(cfg.get("dir") or os.environ.get("WANDB_DIR") or ".")
+        wandb_dir.mkdir(parents=True, exist_ok=True)
         init_kwargs = {k: cfg[k] for k in ("project", "entity", "name", "dir", "tags", "group", "notes", "job_type") if cfg.get(k)}
+        # Read what earlier offline segments of this run really hold before opening a new one: a
+        # process killed with SIGKILL loses the rows its W&B service had not written yet.
+        offline_high = _offline_high_water(wandb_dir, run_id) if mode == "offline" else None
         self.run = wandb.init(id=run_id, resume=cfg.get("resume"), mode=mode, config=run_config, **init_kwargs)
         self._identity = {"id": self.run.id, "project": self.run.project or cfg.get("project")}
         entity = getattr(self.run, "entity", None) or cfg.get("entity")
         if entity:
             self._identity["entity"] = entity
+        if offline_high is not None and offline_high < self.wandb_high:
+            self._backfill_wandb(after=offline_high, upto=self.wandb_high)
+
+    def _backfill_wandb(self, after: int, upto: int) -> None:
+        """Re-send rows that reached metrics.jsonl but not W&B (after <= step <= upto), in order."""
+        self.wandb_high = after
+        if self.metrics_path is None or not self.metrics_path.exists():
+            log.warning("W&B offline segments stop at step %d but the checkpoint logged up to %d, and there is no "
+                        "metrics.jsonl to restore them from; those W&B points are missing.", after, upto)
+            self.wandb_high = upto
+            return
+        for line in self.metrics_path.read_text().splitlines():
+            row = json.loads(line)
+            step = int(row.pop("env_step"))
+            if after < step <= upto:
+                self.run.log(row, step=step)
+                self.wandb_high = step
+        self.wandb_high = upto
 
     def identity(self) -> Optional[Dict[str, str]]:
         return dict(self._identity) if self._identity else None
@@ -88,21 +111,22 @@ class MetricsSink:
 
     # ---------------------------------------------------------------- logging
     def log(self, step: int, metrics: Dict[str, Any]) -> bool:
-        """Log one row at `step`; False (and nothing written) when the step was logged before."""
-        if step <= self.high_water:
-            return False
-        self.high_water = step
-        if not self.enabled:
-            return True
-        if self.metrics_path is not None:
+        """Log one row at `step` to every destination that has not had it yet."""
+        wrote = False
+        if self.enabled and self.metrics_path is not None and step > self.jsonl_high:
+            self.jsonl_high = step
+            wrote = True
             row = {"env_step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
             with open(self.metrics_path, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
                 fh.flush()
                 os.fsync(fh.fileno())
-        if self.run is not None:
+        faults.point("log_written")
+        if self.run is not None and step > self.wandb_high:
+            self.wandb_high = step
+            wrote = True
             self.run.log(metrics, step=step)
-        return True
+        return wrote
 
     def _repair_jsonl(self) -> int:
         """Drop a torn last line left by a killed process; return the highest step in the file."""

@@ -262,10 +262,6 @@ def test_evaluation_leaves_training_untouched_and_logs_eval_metrics(build, tmp_p
     assert [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in evaluated] == plain
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Trainer bug: _log_update forces a row whenever an eval is pending and moves last_logged_step to it, so "
-    "turning evaluation on changes which training rows are logged when logging_steps spans several updates "
-    "(here the last training row, env_step 48, is never logged)."))
 def test_evaluation_does_not_shift_the_training_log_cadence(build, tmp_path):
     """logging_steps=36 with 12 env steps per update: without eval the training rows are at 12 and 48.
     Evaluating before updates 1 and 3 must add eval metrics, not move or drop training rows."""

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import random
+import shutil
 import signal
 import threading
 import uuid
@@ -26,6 +27,7 @@ from tqdm.auto import tqdm
 
 from comlrl import __version__
 from comlrl import checkpoint as ckpt
+from comlrl import faults
 from comlrl.logging import MetricsSink
 from comlrl.losses import ADVANTAGE_MODES, LOSS_TYPES, completion_token_logprobs, group_advantages, policy_gradient_loss
 from comlrl.rollout import (
@@ -309,6 +311,7 @@ class MAGRPOTrainer:
                         elif checkpoint_dir is not None and (
                                 (checkpoint_steps and self.updates_done % checkpoint_steps == 0) or self._stop_signal):
                             self._save(checkpoint_dir / f"step-{self.updates_done}", position, "step", checkpoint_total_limit)
+                        faults.point("update_end")
                         if self._stop_signal:
                             raise TrainingPreempted(
                                 f"Stopped by {self._stop_signal} after update {self.updates_done} (env_step {self.env_step})"
@@ -335,11 +338,14 @@ class MAGRPOTrainer:
         node_items = list(items)
         turns: List[TurnBatch] = []
         for turn_index in range(a.num_turns):
-            samples = [sample_completions(self.agents[i], self.tokenizers[i], prompts[i], self.sampling)
-                       for i in range(self.num_agents)]
+            samples = []
+            for i in range(self.num_agents):
+                samples.append(sample_completions(self.agents[i], self.tokenizers[i], prompts[i], self.sampling))
+                faults.point("generate")
             turn = TurnBatch(turn_index, node_items, prompts, samples, self.joint_index, None, parents,
                              history_prompts, history_responses)
             score_turn(turn, self.reward, self.num_agents)
+            faults.point("reward")
             if self.reward_processor is not None:
                 turn.rewards = turn.rewards.apply_(self.reward_processor)
             self.env_step += turn.rewards.numel()
@@ -404,15 +410,19 @@ class MAGRPOTrainer:
                 loss = policy_gradient_loss(logprobs, mask[:, :width], advantages.reshape(-1)[rows], a.loss_type)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+                faults.point("backward")
                 optimizer.step()
+                faults.point("optimizer_step")
                 losses.append(float(loss.detach()))
         return {"loss": float(np.mean(losses)), "completion_length": float(torch.cat(lengths).mean()),
                 "learning_rate": float(optimizer.param_groups[0]["lr"])}
 
     def _log_update(self, turns: List[TurnBatch], agent_stats: List[Dict[str, float]], epoch: float) -> None:
         step = self.env_step
+        # The cadence depends on training progress alone, so turning eval on never moves a training row;
+        # pending eval metrics ride along with the next row that is due.
         due = self.last_logged_step < 0 or step - self.last_logged_step >= self.args.logging_steps
-        if not (due or self._pending_eval):
+        if not due:
             return
         metrics = metrics_for_turns(turns)
         for i, stats in enumerate(agent_stats):
@@ -439,7 +449,7 @@ class MAGRPOTrainer:
         """Greedy-free eval: one sampled joint episode per eval row; metrics under ``eval/``."""
         if self.eval_dataset is None:
             return {}
-        n = min(num_eval_samples or self.args.eval_num_samples, len(self.eval_dataset))
+        n = min(self.args.eval_num_samples if num_eval_samples is None else num_eval_samples, len(self.eval_dataset))
         items = [self.eval_dataset[i] for i in range(n)]
         saved_sampling, saved_joint, saved_step = self.sampling, self.joint_index, self.env_step
         with torch.random.fork_rng(devices=[d for d in self.devices if d.type == "cuda"]):
@@ -519,6 +529,8 @@ class MAGRPOTrainer:
                 )
         try:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            for stale in checkpoint_dir.glob(f"{ckpt.TMP_PREFIX}*"):  # left by a process killed mid-write
+                shutil.rmtree(stale, ignore_errors=True)
             probe = checkpoint_dir / f".write-probe-{uuid.uuid4().hex[:8]}"
             probe.write_text("")
             probe.unlink()
