@@ -15,7 +15,7 @@ import math
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from comlrl import faults
 
@@ -40,15 +40,18 @@ def default_wandb_mode(wandb_config: Dict[str, Any]) -> str:
 
 
 class MetricsSink:
-    def __init__(self, wandb_config: Optional[Dict[str, Any]], metrics_path: Optional[str], enabled: bool = True):
+    def __init__(self, wandb_config: Optional[Dict[str, Any]], metrics_path: Optional[str], enabled: bool = True,
+                 completions_path: Optional[str] = None):
         self.wandb_config = dict(wandb_config) if wandb_config is not None else None
         if self.wandb_config is not None:
             unknown = sorted(set(self.wandb_config) - set(WANDB_KEYS) - {"config_sections"})
             if unknown:
                 raise ValueError(f"wandb_config has unknown keys {unknown}; allowed: {list(WANDB_KEYS)}.")
         self.metrics_path = Path(metrics_path) if metrics_path else None
+        self.completions_path = Path(completions_path) if completions_path else None
         self.enabled = enabled  # False on non-zero ranks
         self.jsonl_high = -1
+        self.completions_high = -1
         self.wandb_high = -1
         self.run = None
         self._identity: Optional[Dict[str, str]] = None
@@ -60,7 +63,10 @@ class MetricsSink:
         if not self.enabled:
             return
         if self.metrics_path is not None:
-            self.jsonl_high = max(self.jsonl_high, self._repair_jsonl())
+            self.jsonl_high = max(self.jsonl_high, _repair_jsonl(self.metrics_path))
+        self.completions_high = self.jsonl_high
+        if self.completions_path is not None:
+            self.completions_high = max(int(last_logged_step), _repair_jsonl(self.completions_path))
         if self.wandb_config is None:
             return
         import wandb
@@ -110,42 +116,66 @@ class MetricsSink:
             self.run = None
 
     # ---------------------------------------------------------------- logging
-    def log(self, step: int, metrics: Dict[str, Any]) -> bool:
-        """Log one row at `step` to every destination that has not had it yet."""
+    def log(self, step: int, metrics: Dict[str, Any], samples: Optional[List[Dict[str, Any]]] = None) -> bool:
+        """Log one row at `step` to every destination that has not had it yet.
+
+        `samples` (prompt, each agent's completion, reward) go to completions.jsonl and to a W&B table
+        in the same row, so they can be read next to the curves.
+        """
         wrote = False
         if self.enabled and self.metrics_path is not None and step > self.jsonl_high:
             self.jsonl_high = step
             wrote = True
-            row = {"env_step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-            with open(self.metrics_path, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+            _append_line(self.metrics_path, {"env_step": step, **{k: _jsonable(v) for k, v in metrics.items()}})
+        if self.enabled and samples and self.completions_path is not None and step > self.completions_high:
+            self.completions_high = step
+            for sample in samples:
+                _append_line(self.completions_path, {"env_step": step, **sample})
         faults.point("log_written")
         if self.run is not None and step > self.wandb_high:
             self.wandb_high = step
             wrote = True
-            self.run.log(metrics, step=step)
+            row = dict(metrics)
+            if samples:
+                row["completions"] = _wandb_table(samples)
+            self.run.log(row, step=step)
         return wrote
 
-    def _repair_jsonl(self) -> int:
-        """Drop a torn last line left by a killed process; return the highest step in the file."""
-        path = self.metrics_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists():
-            return -1
-        data = path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            keep = data[: data.rfind(b"\n") + 1]
-            log.warning("Dropping a torn last line of %s (a previous process died mid-write).", path)
-            with open(path, "wb") as fh:
-                fh.write(keep)
-            data = keep
-        high = -1
-        for line in data.decode().splitlines():
-            if line.strip():
-                high = max(high, int(json.loads(line)["env_step"]))
-        return high
+
+def _append_line(path: Path, row: Dict[str, Any]) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _wandb_table(samples: List[Dict[str, Any]]):
+    import wandb
+
+    num_agents = len(samples[0]["completions"])
+    table = wandb.Table(columns=["turn", "prompt"] + [f"agent_{i}" for i in range(num_agents)] + ["reward"])
+    for s in samples:
+        table.add_data(s["turn"], s["prompt"], *s["completions"], s["reward"])
+    return table
+
+
+def _repair_jsonl(path: Path) -> int:
+    """Drop a torn last line left by a killed process; return the highest env_step in the file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        return -1
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        keep = data[: data.rfind(b"\n") + 1]
+        log.warning("Dropping a torn last line of %s (a previous process died mid-write).", path)
+        with open(path, "wb") as fh:
+            fh.write(keep)
+        data = keep
+    high = -1
+    for line in data.decode().splitlines():
+        if line.strip():
+            high = max(high, int(json.loads(line)["env_step"]))
+    return high
 
 
 def _offline_high_water(wandb_dir: Path, run_id: str) -> int:

@@ -19,7 +19,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from comlrl.run import build_agents, build_tokenizer, checkpoint_dir, prepare_run_dir, register_resolvers
-from comlrl.trainers.reinforce import MAGRPOTrainer
+from comlrl.trainers.reinforce import MAGRPOTrainer, TrainingPreempted
 
 log = logging.getLogger("comlrl.experiments.main")
 register_resolvers()  # ${uid:} in the run dir name must exist before @hydra.main composes
@@ -58,6 +58,9 @@ def main(cfg: DictConfig) -> None:
             checkpoint_steps=cfg.checkpoint.steps,
         )
         trainer.save_model(str(run_dir / "final"))
+    except TrainingPreempted as stop:  # SIGTERM/SIGUSR1/SIGINT: checkpointed, exits with status 75
+        log.warning("%s. Continue with: make resume RUN=%s", stop, run_dir)
+        raise
     finally:
         trainer.close()
     log.info("Done: %s", summary)

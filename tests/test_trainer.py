@@ -268,3 +268,29 @@ def test_multi_turn_default_needs_a_transition(make_trainer):
 def test_wrong_reward_arity(make_trainer):
     with pytest.raises(TypeError, match="but there are 3 agents"):
         make_trainer(num_agents=3, reward=length_ratio_reward)
+
+
+def test_completions_are_recorded_with_each_logged_row(tiny_model_dir, tmp_path):
+    from comlrl.wandb_offline import find_offline_runs
+
+    trainer = MAGRPOTrainer(
+        agents=[load_causal_lm(tiny_model_dir) for _ in range(2)], tokenizer=load_tokenizer(tiny_model_dir),
+        reward_func=length_ratio_reward, train_dataset=story_prompts(),
+        args=MAGRPOConfig(num_turns=1, num_train_epochs=1, num_generations=2, max_new_tokens=6, logging_steps=1,
+                          log_completions=3, show_progress=False),
+        metrics_path=str(tmp_path / "metrics.jsonl"),
+        wandb_config={"project": "completions", "dir": str(tmp_path), "mode": "offline"},
+    )
+    trainer.train()
+    samples = rows(tmp_path / "completions.jsonl")
+    assert [s["env_step"] for s in samples] == [4, 4, 4, 8, 8, 8]
+    first = samples[0]
+    assert first["prompt"] == "Describe a city in the clouds:" and first["turn"] == 1
+    assert len(first["completions"]) == 2 and all(isinstance(c, str) for c in first["completions"])
+    assert first["reward"] == pytest.approx(length_ratio_reward([first["completions"][0]], [first["completions"][1]])[0])
+    import wandb
+
+    wandb.teardown()  # finish() can return before the offline file is complete
+    history = find_offline_runs(tmp_path / "wandb")[0].history
+    assert len(history) == 2
+    assert all(row["completions._type"] == "table-file" and row["completions.nrows"] == 3 for row in history)

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 # how it reports, never what it computes. Everything else must match the checkpoint.
 RUN_SHAPE_KEYS = frozenset(
     {"num_train_epochs", "logging_steps", "agent_devices", "eval_interval", "eval_num_samples",
-     "show_progress", "allow_resume_drift"}
+     "show_progress", "allow_resume_drift", "log_completions"}
 )
 # Exit status of a run stopped by SIGTERM/SIGUSR1/SIGINT after writing its checkpoint (EX_TEMPFAIL:
 # "try again"), so schedulers and `make resume` can tell a preemption from a failure.
@@ -94,6 +94,8 @@ class MAGRPOConfig:
         "Device for all agents ('cpu', 'cuda:0') or one per agent; None = cuda:0 if available else cpu.", default=None)
     seed: int = _help("Seeds python, numpy and torch at the start of a fresh run.", default=0)
     show_progress: bool = _help("Show a tqdm progress bar over updates.", default=True)
+    log_completions: int = _help("Joint actions (prompt, each agent's completion, reward) recorded with every logged "
+                                 "row, to completions.jsonl and a W&B table; 0 = off.", default=0)
     allow_resume_drift: List[str] = _help(
         "Escape hatch: config keys or fingerprints (model_<i>, tokenizer_<i>, train_dataset, reward_func, "
         "external_transition) allowed to differ from the checkpoint on resume; ['*'] allows all.", default_factory=list)
@@ -122,6 +124,7 @@ class MAGRPOConfig:
         need(0 <= self.discount <= 1, f"discount must be in [0, 1] (got {self.discount})")
         need(self.joint_mode in JOINT_MODES, f"joint_mode must be one of {list(JOINT_MODES)} (got {self.joint_mode!r})")
         need(is_int(self.eval_interval) and self.eval_interval >= 0, f"eval_interval must be >= 0 (got {self.eval_interval!r})")
+        need(is_int(self.log_completions) and self.log_completions >= 0, f"log_completions must be >= 0 (got {self.log_completions!r})")
         need(is_int(self.eval_num_samples) and self.eval_num_samples >= 0, f"eval_num_samples must be >= 0 (got {self.eval_num_samples!r})")
         need(is_int(self.rollout_buffer_size) and self.rollout_buffer_size >= 1, f"rollout_buffer_size must be >= 1 (got {self.rollout_buffer_size!r})")
         if self.train_batch_size is None:
@@ -163,6 +166,7 @@ class MAGRPOTrainer:
         wandb_config: Optional[Dict[str, Any]] = None,
         args: Optional[MAGRPOConfig] = None,
         metrics_path: Optional[str] = None,
+        completions_path: Optional[str] = None,
         model_config: Optional[Dict[str, Any]] = None,
     ):
         self.args = args if args is not None else MAGRPOConfig()
@@ -226,7 +230,9 @@ class MAGRPOTrainer:
         self.optimizers = [torch.optim.AdamW(agent.parameters(), lr=a.agent_learning_rate) for agent in self.agents]
         self.sampling = SamplingSettings(a.num_generations, a.max_new_tokens, a.temperature, a.top_p, a.top_k)
         self.joint_index = joint_action_indices(self.num_agents, a.num_generations, a.joint_mode)
-        self.logger = MetricsSink(wandb_config, metrics_path)
+        if completions_path is None and metrics_path is not None and a.log_completions:
+            completions_path = str(Path(metrics_path).with_name("completions.jsonl"))
+        self.logger = MetricsSink(wandb_config, metrics_path, completions_path=completions_path)
         self.wandb_config = wandb_config
 
         # Progress (restored from a checkpoint on resume) -----------------------------------------
@@ -431,7 +437,21 @@ class MAGRPOTrainer:
         metrics.update(self._pending_eval)
         self._pending_eval = {}
         self.last_logged_step = step
-        self.logger.log(step, metrics)
+        self.logger.log(step, metrics, self._completion_samples(turns))
+
+    def _completion_samples(self, turns: List[TurnBatch]) -> List[Dict[str, Any]]:
+        """The first `log_completions` joint actions of each turn of this update (deterministic, no RNG)."""
+        limit = self.args.log_completions
+        out: List[Dict[str, Any]] = []
+        for turn in turns if limit else []:
+            texts = turn.joint_completions()
+            per_node = turn.joint_index.shape[0]
+            for flat in range(min(limit, turn.rewards.numel())):
+                node = flat // per_node
+                out.append({"turn": turn.turn + 1, "prompt": turn.prompts[0][node],
+                            "completions": [texts[i][flat] for i in range(self.num_agents)],
+                            "reward": float(turn.rewards.view(-1)[flat])})
+        return out
 
     # ============================================================================================
     # Evaluation (own RNG stream, so turning it on leaves the training trajectory unchanged)
