@@ -45,6 +45,7 @@ import importlib  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import resource  # noqa: E402
 import time  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
@@ -96,19 +97,33 @@ SPECIFIC_TARGETS = {
 }
 
 
+def _maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
 class PhaseTimer:
-    """Exclusive wall-clock time per phase, kept on a stack of active phases."""
+    """Exclusive wall-clock time per phase, kept on a stack of active phases.
+
+    Also charges each rise of the process's peak RSS to the phase running when it was seen, so
+    the table shows which phase pushes the high-water mark up.
+    """
 
     def __init__(self):
-        self.seconds = {p: 0.0 for p in PHASES}
+        self.seconds = {p: 0.0 for p in PHASES + ["other"]}
         self.calls = {p: 0 for p in PHASES}
+        self.rss_growth = {p: 0.0 for p in PHASES + ["other"]}
         self.stack: list[str] = []
         self._mark = 0.0
+        self._peak = _maxrss_mb()
 
     def _charge(self, now: float) -> None:
         if self.stack:
             self.seconds[self.stack[-1]] += now - self._mark
         self._mark = now
+        peak = _maxrss_mb()
+        if peak > self._peak:
+            self.rss_growth[self.stack[-1] if self.stack else "other"] += peak - self._peak
+            self._peak = peak
 
     def enter(self, phase: str) -> None:
         self._charge(time.perf_counter())
@@ -261,9 +276,12 @@ def main(argv=None) -> int:
         profiler.start()
     if cprof is not None:
         cprof.enable()
+    rss_start = _maxrss_mb()
+    timer._peak = rss_start
     t0 = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - t0
+    timer._charge(time.perf_counter())  # a final peak rise outside any phase counts as other
     if cprof is not None:
         cprof.disable()
     if profiler is not None:
@@ -272,20 +290,23 @@ def main(argv=None) -> int:
     if callable(close):
         close()
 
-    accounted = sum(timer.seconds.values())
-    rows = [(p, timer.seconds[p], timer.calls[p]) for p in PHASES]
-    rows.append(("other", total - accounted, 0))
+    accounted = sum(timer.seconds[p] for p in PHASES)
+    rows = [(p, timer.seconds[p], timer.calls[p], timer.rss_growth[p]) for p in PHASES]
+    rows.append(("other", total - accounted, 0, timer.rss_growth["other"]))
     label = "ours" if info["library"] == "ours" else info["library"]
     print(f"\n{label} ({info['comlrl_file']}), workload {wl.name}: {wl.describe()}")
     if epochs != wl.epochs:
         print(f"(epochs overridden: {epochs})")
     if profiler is not None or cprof is not None:
         print("(a profiler was active: absolute times are inflated, shares roughly hold)")
-    print(f"train() total: {total:.2f} s\n")
-    print("| phase | seconds | share | calls |")
-    print("|---|---:|---:|---:|")
-    for phase, sec, calls in rows:
-        print(f"| {phase} | {sec:.3f} | {100 * sec / total:5.1f}% | {calls or ''} |")
+    print(
+        f"train() total: {total:.2f} s; peak RSS {rss_start:.0f} MB before, "
+        f"{_maxrss_mb():.0f} MB after\n"
+    )
+    print("| phase | seconds | share | calls | peak RSS rise (MB) |")
+    print("|---|---:|---:|---:|---:|")
+    for phase, sec, calls, rss in rows:
+        print(f"| {phase} | {sec:.3f} | {100 * sec / total:5.1f}% | {calls or ''} | {rss:.0f} |")
     print()
 
     if profiler is not None:
@@ -307,7 +328,9 @@ def main(argv=None) -> int:
                     "workload": wl.name,
                     "epochs": epochs,
                     "train_s": total,
-                    "phases": {p: {"seconds": s, "calls": c} for p, s, c in rows},
+                    "phases": {
+                        p: {"seconds": s, "calls": c, "peak_rss_rise_mb": r} for p, s, c, r in rows
+                    },
                     "patched": patched,
                 },
                 indent=2,

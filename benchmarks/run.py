@@ -215,6 +215,8 @@ def run_once(lib: str, wl: Workload, mdir: Path, seed: int, log_dir: Path, idx: 
 
 def summarise(runs: list[dict]) -> dict:
     times = [r["train_s"] for r in runs]
+    cpu = [r.get("train_cpu_s") for r in runs]
+    cpu = [c for c in cpu if c is not None]
     rss = [r["peak_rss_mb"] for r in runs]
     return {
         "n": len(runs),
@@ -222,6 +224,8 @@ def summarise(runs: list[dict]) -> dict:
         "min_train_s": min(times),
         "max_train_s": max(times),
         "median_train_s_per_epoch": statistics.median(r["train_s_per_epoch"] for r in runs),
+        "median_train_cpu_s": statistics.median(cpu) if cpu else None,
+        "train_cpu_s": cpu,
         "peak_rss_mb": max(rss),
         "median_peak_rss_mb": statistics.median(rss),
         "comlrl_version": runs[0]["comlrl_version"],
@@ -241,7 +245,8 @@ def run_workload(wl: Workload, libs: list[str], repeats: int, seed: int, log_dir
             runs[lib].append(res)
             _log(
                 f"[bench] {wl.name:9s} {LIBS[lib]:13s} run {rep + 1}/{repeats}: "
-                f"{res['train_s']:.2f} s, peak RSS {res['peak_rss_mb']:.0f} MB"
+                f"{res['train_s']:.2f} s (CPU {res.get('train_cpu_s', float('nan')):.2f} s), "
+                f"peak RSS {res['peak_rss_mb']:.0f} MB"
             )
     entry = {"workload": asdict(wl), "description": wl.describe()}
     for lib in libs:
@@ -250,6 +255,10 @@ def run_workload(wl: Workload, libs: list[str], repeats: int, seed: int, log_dir
         entry["ratio_reference_over_ours"] = (
             entry["reference"]["median_train_s"] / entry["ours"]["median_train_s"]
         )
+        if entry["ours"]["median_train_cpu_s"] and entry["reference"]["median_train_cpu_s"]:
+            entry["cpu_ratio_reference_over_ours"] = (
+                entry["reference"]["median_train_cpu_s"] / entry["ours"]["median_train_cpu_s"]
+            )
     return entry
 
 
@@ -298,6 +307,16 @@ def _fmt_s(summary: dict | None) -> str:
     return f"{summary['median_train_s']:.2f}"
 
 
+def _fmt_cpu(summary: dict | None) -> str:
+    if summary is None or summary.get("median_train_cpu_s") is None:
+        return "–"
+    return f"{summary['median_train_cpu_s']:.2f}"
+
+
+def _fmt_ratio(ratio) -> str:
+    return "–" if ratio is None else f"{ratio:.2f}×"
+
+
 def _fmt_rss(summary: dict | None) -> str:
     return "–" if summary is None else f"{summary['peak_rss_mb']:.0f}"
 
@@ -306,17 +325,19 @@ def markdown_table(results: dict) -> str:
     ref = LIBS["reference"]
     lines = [
         f"| workload | setting | ours (s) | {ref} (s) | {ref} / ours | "
+        f"ours CPU (s) | {ref} CPU (s) | CPU ratio | "
         f"ours peak RSS (MB) | {ref} peak RSS (MB) | runs |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, entry in results.items():
         ours, refs = entry.get("ours"), entry.get("reference")
-        ratio = entry.get("ratio_reference_over_ours")
         runs = "/".join(str(s["n"]) for s in (ours, refs) if s is not None)
         lines.append(
             f"| {name} | {entry['description']} | {_fmt_s(ours)} | {_fmt_s(refs)} | "
-            f"{'–' if ratio is None else f'{ratio:.2f}×'} | {_fmt_rss(ours)} | {_fmt_rss(refs)} "
-            f"| {runs} |"
+            f"{_fmt_ratio(entry.get('ratio_reference_over_ours'))} | "
+            f"{_fmt_cpu(ours)} | {_fmt_cpu(refs)} | "
+            f"{_fmt_ratio(entry.get('cpu_ratio_reference_over_ours'))} | "
+            f"{_fmt_rss(ours)} | {_fmt_rss(refs)} | {runs} |"
         )
     return "\n".join(lines)
 
@@ -345,8 +366,9 @@ def update_readme(table: str, info: dict, date: str, repeats: int) -> None:
     head, rest = text.split(TABLE_START, 1)
     _, tail = rest.split(TABLE_END, 1)
     body = (
-        f"{TABLE_START}\n{machine_line(info, date)} Median of {repeats} alternating runs each "
-        f"(seconds of `trainer.train()`); peak RSS is the max over runs.\n\n{table}\n{TABLE_END}"
+        f"{TABLE_START}\n{machine_line(info, date)} Median of {repeats} alternating runs each: "
+        f"wall seconds of `trainer.train()`, and its process CPU seconds (steadier when the "
+        f"machine is shared); peak RSS is the max over runs.\n\n{table}\n{TABLE_END}"
     )
     README.write_text(head + body + tail, encoding="utf-8")
 

@@ -11,7 +11,7 @@ Which library it measures is decided by the interpreter that runs it (``benchmar
 starts it with ``/work/main/.venv`` for ours and ``benchmarks/.venv-ref`` for CoMLRL), so it
 must import nothing else from ``comlrl`` (e.g. not ``comlrl.models``, which CoMLRL lacks).
 
-Timed: ``trainer.train()`` only (wall clock, ``time.perf_counter``). Not timed: imports, model
+Timed: ``trainer.train()`` only (wall clock, ``time.perf_counter``; also its process CPU time). Not timed: imports, model
 and tokenizer loading, dataset and trainer construction, ``trainer.close()``.
 
 Usage::
@@ -269,9 +269,10 @@ def main(argv=None) -> dict:
     peak_before_train = _peak_rss_mb()
 
     # ---- timed ---------------------------------------------------------------------------------
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     trainer.train()
     train_s = time.perf_counter() - t0
+    train_cpu_s = time.process_time() - c0
     # ---------------------------------------------------------------------------------------------
 
     peak_rss = _peak_rss_mb()
@@ -287,6 +288,9 @@ def main(argv=None) -> dict:
         **info,
         "python": sys.executable,
         "train_s": train_s,
+        # CPU seconds of this process (all threads) during train(): with one torch thread it is
+        # close to train_s on an idle machine and much less sensitive to other load.
+        "train_cpu_s": train_cpu_s,
         "train_s_per_epoch": train_s / args.epochs,
         "peak_rss_mb": peak_rss,
         "peak_rss_before_train_mb": peak_before_train,
