@@ -170,6 +170,7 @@ def save_checkpoint(
     optimizers: Sequence[torch.optim.Optimizer],
     trainer_state: Dict[str, Any],
     metadata: Dict[str, Any],
+    rng_states: Optional[List[Dict[str, Any]]] = None,
 ) -> Path:
     """Write a checkpoint atomically to `target` (temporary dir → fsync → rename)."""
     target = Path(target)
@@ -186,7 +187,8 @@ def save_checkpoint(
         save_model(_unwrap(agent), str(agent_dir / "model.safetensors"))
         torch.save(optimizer.state_dict(), agent_dir / "optimizer.pt")
     faults.point("checkpoint_files")
-    torch.save(capture_rng_state(), tmp / "rng_state.pt")
+    ranks = rng_states if rng_states is not None else [capture_rng_state()]
+    torch.save({"world_size": len(ranks), "ranks": ranks}, tmp / "rng_state.pt")
     _write_json(tmp / "trainer_state.json", trainer_state)
     _write_json(tmp / "metadata.json", metadata)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
@@ -294,7 +296,12 @@ def find_latest_checkpoint(checkpoint_dir) -> Optional[Path]:
     return best
 
 
-def load_checkpoint(path: Path, agents, optimizers) -> Dict[str, Any]:
+def rank_seed(seed: int, rank: int) -> int:
+    """Sampling seed of a data-parallel rank (rank 0 keeps `seed`, so one process is unchanged)."""
+    return seed + 1_000_003 * rank
+
+
+def load_checkpoint(path: Path, agents, optimizers, rank: int = 0, world_size: int = 1, seed: int = 0) -> Dict[str, Any]:
     """Restore weights, optimizer states and RNG states; return the trainer state dict."""
     path = Path(path)
     problem = checkpoint_problem(path)
@@ -331,7 +338,18 @@ def load_checkpoint(path: Path, agents, optimizers) -> Dict[str, Any]:
         rng = torch.load(path / "rng_state.pt", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"Cannot load {path / 'rng_state.pt'}: {exc}") from exc
-    restore_rng_state(rng)
+    saved = rng["ranks"]
+    if rank < len(saved):
+        restore_rng_state(saved[rank])
+    else:
+        # More ranks than when the checkpoint was written: the python stream (identical on all ranks)
+        # comes from rank 0, a new sampling stream is derived from the seed and the progress.
+        restore_rng_state(saved[0])
+        torch.manual_seed(rank_seed(seed, rank) + int(state["progress"]["updates_done"]))
+    if len(saved) != world_size:
+        log.warning("Checkpoint %s was written by %d ranks and is resumed by %d: training continues, but the "
+                    "sampling streams are re-sharded, so the run is no longer bit-identical to an uninterrupted one.",
+                    path, len(saved), world_size)
     return state
 
 

@@ -64,6 +64,9 @@ def _eos_ids(tokenizer, model) -> List[int]:
 def sample_completions(model, tokenizer, prompts: Sequence[str], settings: SamplingSettings) -> AgentSamples:
     """Sample K completions for every prompt in ONE `generate` call (left padding, KV cache)."""
     device = next(model.parameters()).device
+    if not prompts:  # a data-parallel rank whose shard of this turn is empty
+        empty = torch.zeros(0, 0, dtype=torch.long, device=device)
+        return AgentSamples([], empty, empty, empty, empty.bool(), [])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _eos_ids(tokenizer, model)[0]
     previous_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -238,6 +241,8 @@ class TurnBatch:
 
     def joint_completions(self) -> List[List[str]]:
         """[agent][node*J + j] text of each agent's part of every joint action."""
+        if self.num_nodes == 0:
+            return [[] for _ in self.samples]
         k = self.samples[0].completion_ids.shape[0] // self.num_nodes
         out = []
         for agent, samples in enumerate(self.samples):
@@ -247,8 +252,11 @@ class TurnBatch:
 
 
 def score_turn(turn: TurnBatch, reward: RewardCaller, num_agents: int) -> None:
-    joint = turn.joint_completions()
     j = turn.joint_index.shape[0]
+    if turn.num_nodes == 0:
+        turn.rewards = torch.zeros(0, j, dtype=torch.float64)
+        return
+    joint = turn.joint_completions()
     prompts = [turn.prompts[0][n] for n in range(turn.num_nodes) for _ in range(j)]
     items = [turn.items[n] for n in range(turn.num_nodes) for _ in range(j)]
     values = reward(prompts, joint, items)
@@ -285,10 +293,19 @@ def completion_returns(turn: TurnBatch, agent: int, k: int) -> torch.Tensor:
     return sums / counts
 
 
-def metrics_for_turns(turns: List[TurnBatch]) -> Dict[str, float]:
+def turn_sums(turns: List[TurnBatch]) -> List[List[float]]:
+    """Per turn: [sum of rewards, sum of returns, joint actions], so ranks can add them up exactly."""
+    return [[float(t.rewards.sum()), float(t.returns.sum()), float(t.rewards.numel())] for t in turns]
+
+
+def metrics_from_sums(per_turn: List[List[float]]) -> Dict[str, float]:
     out: Dict[str, float] = {}
-    for turn in turns:
-        prefix = f"turn_{turn.turn + 1}/"
-        out[prefix + "reward_mean"] = float(turn.rewards.mean())
-        out[prefix + "expected_return"] = float(turn.returns.mean())
+    for index, (reward_sum, return_sum, count) in enumerate(per_turn):
+        if count:
+            out[f"turn_{index + 1}/reward_mean"] = reward_sum / count
+            out[f"turn_{index + 1}/expected_return"] = return_sum / count
     return out
+
+
+def metrics_for_turns(turns: List[TurnBatch]) -> Dict[str, float]:
+    return metrics_from_sums(turn_sums(turns))

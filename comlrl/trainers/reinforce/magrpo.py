@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import random
 import shutil
 import signal
@@ -28,6 +29,7 @@ from tqdm.auto import tqdm
 from comlrl import __version__
 from comlrl import checkpoint as ckpt
 from comlrl import faults
+from comlrl.distributed import DistContext
 from comlrl.logging import MetricsSink
 from comlrl.losses import ADVANTAGE_MODES, LOSS_TYPES, completion_token_logprobs, group_advantages, policy_gradient_loss
 from comlrl.rollout import (
@@ -39,8 +41,10 @@ from comlrl.rollout import (
     completion_returns,
     joint_action_indices,
     metrics_for_turns,
+    metrics_from_sums,
     sample_completions,
     score_turn,
+    turn_sums,
 )
 
 log = logging.getLogger(__name__)
@@ -203,6 +207,7 @@ class MAGRPOTrainer:
             if tok.pad_token_id is None:
                 tok.pad_token = tok.eos_token  # batched sampling needs a pad id; EOS is the usual choice
 
+        self.dist = DistContext.from_environment("cuda" if torch.cuda.is_available() else "cpu")
         self.devices = self._resolve_devices(a.agent_devices)
         for agent, device in zip(self.agents, self.devices):
             agent.to(device)
@@ -232,7 +237,7 @@ class MAGRPOTrainer:
         self.joint_index = joint_action_indices(self.num_agents, a.num_generations, a.joint_mode)
         if completions_path is None and metrics_path is not None and a.log_completions:
             completions_path = str(Path(metrics_path).with_name("completions.jsonl"))
-        self.logger = MetricsSink(wandb_config, metrics_path, completions_path=completions_path)
+        self.logger = MetricsSink(wandb_config, metrics_path, enabled=self.dist.is_main, completions_path=completions_path)
         self.wandb_config = wandb_config
 
         # Progress (restored from a checkpoint on resume) -----------------------------------------
@@ -283,7 +288,7 @@ class MAGRPOTrainer:
 
         self.logger.start(self._run_config(), (state or {}).get("wandb"), self.last_logged_step)
         bar = tqdm(total=total_updates, initial=self.updates_done, desc="MAGRPO", unit="update",
-                   disable=not a.show_progress, dynamic_ncols=True)
+                   disable=not (a.show_progress and self.dist.is_main), dynamic_ncols=True)
         try:
             with self._stop_signals():
                 for epoch in range(progress["epoch"], total_epochs):
@@ -291,7 +296,7 @@ class MAGRPOTrainer:
                     for buffer_index in range(first, len(buffers)):
                         bar.set_description(f"MAGRPO epoch {epoch + 1}/{total_epochs}")
                         positions = buffers[buffer_index]
-                        items = [self.train_dataset[i] for i in positions]
+                        items = [self.train_dataset[i] for i in self.dist.shard(positions)]
                         self._maybe_evaluate(positions)
 
                         # 1. rollout + 2. reward + 3. returns
@@ -305,7 +310,7 @@ class MAGRPOTrainer:
                         # 5. log
                         self._log_update(turns, agent_stats, epoch + (buffer_index + 1) / len(buffers))
                         bar.update(1)
-                        bar.set_postfix(step=self.env_step, reward=f"{float(turns[0].rewards.mean()):.3f}")
+                        bar.set_postfix(step=self.env_step)
 
                         # 6. checkpoint
                         end_of_epoch = buffer_index == len(buffers) - 1
@@ -315,10 +320,10 @@ class MAGRPOTrainer:
                                 (epoch + 1) % checkpoint_interval == 0 or epoch + 1 == total_epochs):
                             self._save(checkpoint_dir / f"checkpoint-{epoch + 1}", position, "epoch", checkpoint_total_limit)
                         elif checkpoint_dir is not None and (
-                                (checkpoint_steps and self.updates_done % checkpoint_steps == 0) or self._stop_signal):
+                                (checkpoint_steps and self.updates_done % checkpoint_steps == 0) or self._stop_signal_everywhere()):
                             self._save(checkpoint_dir / f"step-{self.updates_done}", position, "step", checkpoint_total_limit)
                         faults.point("update_end")
-                        if self._stop_signal:
+                        if self._stop_signal_everywhere():
                             raise TrainingPreempted(
                                 f"Stopped by {self._stop_signal} after update {self.updates_done} (env_step {self.env_step})"
                                 + (f"; checkpoint written to {checkpoint_dir}. Resume with resume_from_checkpoint='auto'."
@@ -328,6 +333,10 @@ class MAGRPOTrainer:
             bar.close()
             self.logger.close()
         return self._summary()
+
+    def _stop_signal_everywhere(self) -> bool:
+        # Ranks must agree, or one would wait forever in a collective the others never reach.
+        return self.dist.any_flag(self._stop_signal is not None)
 
     # ============================================================================================
     # Phases
@@ -354,7 +363,7 @@ class MAGRPOTrainer:
             faults.point("reward")
             if self.reward_processor is not None:
                 turn.rewards = turn.rewards.apply_(self.reward_processor)
-            self.env_step += turn.rewards.numel()
+            self.env_step += sum(self.dist.all_gather_int(turn.rewards.numel()))
             turns.append(turn)
             if turn_index == a.num_turns - 1:
                 break
@@ -384,44 +393,82 @@ class MAGRPOTrainer:
                     node_items.append(item)
                     history_prompts.append(hist_p)
                     history_responses.append(hist_r)
-            if not parents:
+            if not self.dist.any_flag(bool(parents)):
                 break
             prompts = next_prompts
         return turns
 
     def _update_agent(self, agent_index: int, turns: List[TurnBatch]) -> Dict[str, float]:
-        """Policy-gradient steps for one agent over all nodes of the update, turn by turn."""
+        """Policy-gradient steps for one agent over all nodes of the update, turn by turn.
+
+        Minibatches are drawn from the *global* node order (every rank shuffles the same list with the
+        same python RNG), so data parallelism reproduces the single-process minibatches; each rank
+        computes the rows it holds, scaled by its share, and the gradients are summed across ranks.
+        """
         a = self.args
         agent, optimizer = self.agents[agent_index], self.optimizers[agent_index]
         k = a.num_generations
         device = self.devices[agent_index]
-        losses, lengths = [], []
+        scaled_losses, length_sum, length_count = [], 0.0, 0
         agent.train()
         for turn in turns:
             samples = turn.samples[agent_index]
             advantages = group_advantages(completion_returns(turn, agent_index, k).float(),
                                           a.advantage_mode, a.advantage_normalization).to(device)
-            lengths.append(samples.completion_lengths.float())
-            node_order = list(range(turn.num_nodes))
+            length_sum += float(samples.completion_lengths.float().sum())
+            length_count += int(samples.completion_lengths.numel())
+            counts = self.dist.all_gather_int(turn.num_nodes)
+            offset = sum(counts[:self.dist.rank])
+            node_order = list(range(sum(counts)))
             random.shuffle(node_order)  # minibatch order, as CoMLRL (python RNG, checkpointed)
             for start in range(0, len(node_order), a.train_batch_size):
-                nodes = torch.tensor(node_order[start:start + a.train_batch_size], device=device)
-                rows = (nodes.unsqueeze(1) * k + torch.arange(k, device=device)).reshape(-1)
-                prompt_ids, prompt_mask = samples.prompt_ids[nodes].repeat_interleave(k, 0), samples.prompt_mask[nodes].repeat_interleave(k, 0)
-                first_column = int(prompt_mask.any(dim=0).nonzero()[0])  # drop columns that are padding in every row
-                mask = samples.completion_mask[rows]
-                width = int(mask.sum(dim=1).max())  # the mask is a prefix: columns past the longest row are padding
-                logprobs = completion_token_logprobs(agent, prompt_ids[:, first_column:], prompt_mask[:, first_column:],
-                                                     samples.completion_ids[rows, :width], mask[:, :width])
-                loss = policy_gradient_loss(logprobs, mask[:, :width], advantages.reshape(-1)[rows], a.loss_type)
+                minibatch = node_order[start:start + a.train_batch_size]
+                local = [g - offset for g in minibatch if offset <= g < offset + turn.num_nodes]
+                share = self._rank_share(samples, local, len(minibatch))
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                loss = self._minibatch_loss(agent, samples, advantages, local) if local else None
+                if loss is not None and share is not None:
+                    # Each rank's loss is a mean over its rows (or tokens); weighted by its share of the
+                    # global minibatch, the sum over ranks is the single-process loss.
+                    loss = loss * share
+                if loss is not None:
+                    loss.backward()
                 faults.point("backward")
+                self.dist.sum_gradients(list(agent.parameters()))
                 optimizer.step()
                 faults.point("optimizer_step")
-                losses.append(float(loss.detach()))
-        return {"loss": float(np.mean(losses)), "completion_length": float(torch.cat(lengths).mean()),
+                scaled_losses.append(float(loss.detach()) if loss is not None else 0.0)
+        totals = self.dist.all_gather_object((scaled_losses, length_sum, length_count))
+        losses = [sum(values) for values in zip(*[t[0] for t in totals])]
+        lengths = sum(t[1] for t in totals) / max(sum(t[2] for t in totals), 1)
+        return {"loss": float(np.mean(losses)), "completion_length": float(lengths),
                 "learning_rate": float(optimizer.param_groups[0]["lr"])}
+
+    def _rank_share(self, samples, nodes_local: List[int], global_nodes: int) -> Optional[float]:
+        """This rank's fraction of the minibatch's rows (tokens for token_mean); None without DP."""
+        if not self.dist.enabled:
+            return None
+        k = self.args.num_generations
+        if self.args.loss_type != "token_mean":
+            return len(nodes_local) / global_nodes
+        rows = [n * k + j for n in nodes_local for j in range(k)]
+        local = float(samples.completion_mask[rows].sum()) if rows else 0.0
+        return local / max(self.dist.sum_float(local), 1.0)
+
+    def _minibatch_loss(self, agent, samples, advantages: torch.Tensor, nodes_local: List[int]) -> torch.Tensor:
+        """Loss of this rank's nodes of one minibatch, from one padded forward."""
+        a, k = self.args, self.args.num_generations
+        device = advantages.device
+        nodes = torch.tensor(nodes_local, device=device)
+        rows = (nodes.unsqueeze(1) * k + torch.arange(k, device=device)).reshape(-1)
+        prompt_ids = samples.prompt_ids[nodes].repeat_interleave(k, 0)
+        prompt_mask = samples.prompt_mask[nodes].repeat_interleave(k, 0)
+        first_column = int(prompt_mask.any(dim=0).nonzero()[0])  # drop columns that are padding in every row
+        mask = samples.completion_mask[rows]
+        width = int(mask.sum(dim=1).max())  # the mask is a prefix: columns past the longest row are padding
+        logprobs = completion_token_logprobs(agent, prompt_ids[:, first_column:], prompt_mask[:, first_column:],
+                                             samples.completion_ids[rows, :width], mask[:, :width])
+        return policy_gradient_loss(logprobs, mask[:, :width], advantages.reshape(-1)[rows], a.loss_type)
 
     def _log_update(self, turns: List[TurnBatch], agent_stats: List[Dict[str, float]], epoch: float) -> None:
         step = self.env_step
@@ -430,7 +477,8 @@ class MAGRPOTrainer:
         due = self.last_logged_step < 0 or step - self.last_logged_step >= self.args.logging_steps
         if not due:
             return
-        metrics = metrics_for_turns(turns)
+        per_rank = self.dist.all_gather_object(turn_sums(turns))
+        metrics = metrics_from_sums([[sum(values) for values in zip(*parts)] for parts in zip(*per_rank)])
         for i, stats in enumerate(agent_stats):
             metrics.update({f"agent_{i}/{name}": value for name, value in stats.items()})
         metrics["train/epoch"] = epoch
@@ -459,7 +507,7 @@ class MAGRPOTrainer:
 
     def _maybe_evaluate(self, positions: List[int]) -> None:
         a = self.args
-        if self.eval_dataset is None or a.eval_interval == 0 or a.eval_num_samples == 0:
+        if self.eval_dataset is None or a.eval_interval == 0 or a.eval_num_samples == 0 or not self.dist.is_main:
             return
         if not any(p % a.eval_interval == 0 for p in positions):
             return
@@ -503,11 +551,12 @@ class MAGRPOTrainer:
                                         "checkpoint directory, 'auto', or None for a fresh run.")
 
         if path is None:
-            self.run_id = uuid.uuid4().hex
+            self.run_id = self.dist.all_gather_object(uuid.uuid4().hex)[0]  # rank 0's id for every rank
             self._check_checkpoint_dir(checkpoint_dir)
+            # python RNG (minibatch shuffles) must agree on every rank; sampling streams must differ.
             random.seed(self.args.seed)
             np.random.seed(self.args.seed)
-            torch.manual_seed(self.args.seed)
+            torch.manual_seed(ckpt.rank_seed(self.args.seed, self.dist.rank))
             return None
 
         problem = ckpt.checkpoint_problem(path)
@@ -524,7 +573,8 @@ class MAGRPOTrainer:
                              f"set it to at least {done_epochs}.")
         self.run_id = metadata["run_id"]
         self._check_checkpoint_dir(checkpoint_dir)
-        ckpt.load_checkpoint(path, self.agents, self.optimizers)
+        ckpt.load_checkpoint(path, self.agents, self.optimizers, rank=self.dist.rank, world_size=self.dist.world_size,
+                             seed=self.args.seed)
         progress = state["progress"]
         self.env_step = progress["env_step"]
         self.updates_done = progress["updates_done"]
@@ -547,6 +597,9 @@ class MAGRPOTrainer:
                     f"{owner}). Resume that run with resume_from_checkpoint='auto' (or a path), or use an empty "
                     "checkpoint_dir; nothing was overwritten."
                 )
+        if not self.dist.is_main:
+            self.dist.barrier()  # rank 0 prepares the directory
+            return
         try:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
             for stale in checkpoint_dir.glob(f"{ckpt.TMP_PREFIX}*"):  # left by a process killed mid-write
@@ -557,6 +610,7 @@ class MAGRPOTrainer:
         except OSError as exc:
             raise PermissionError(f"checkpoint_dir {checkpoint_dir} is not writable ({exc}); choose a writable directory "
                                   "before training so no work is lost.") from exc
+        self.dist.barrier()
 
     def _fingerprints(self) -> Dict[str, Optional[str]]:
         prints: Dict[str, Optional[str]] = {}
@@ -592,8 +646,12 @@ class MAGRPOTrainer:
         metadata = {"version": ckpt.CHECKPOINT_FORMAT, "trainer_class": type(self).__name__,
                     "sequence": self.updates_done, "run_id": self.run_id, "wandb": identity,
                     "comlrl_version": __version__}
-        ckpt.save_checkpoint(target, self.agents, self.optimizers, trainer_state, metadata)
-        ckpt.prune_checkpoints(target.parent, total_limit)
+        rng_states = self.dist.all_gather_object(ckpt.capture_rng_state())  # every rank's sampling stream
+        if self.dist.is_main:
+            trainer_state["world_size"] = self.dist.world_size
+            ckpt.save_checkpoint(target, self.agents, self.optimizers, trainer_state, metadata, rng_states)
+            ckpt.prune_checkpoints(target.parent, total_limit)
+        self.dist.barrier()  # nobody moves on (or exits) before the checkpoint is in place
 
     # ============================================================================================
     # Helpers
@@ -606,7 +664,7 @@ class MAGRPOTrainer:
 
     def _resolve_devices(self, spec) -> List[torch.device]:
         if spec is None:
-            spec = "cuda:0" if torch.cuda.is_available() else "cpu"
+            spec = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
         specs = [spec] * self.num_agents if isinstance(spec, str) else list(spec)
         if len(specs) != self.num_agents:
             raise ValueError(f"agent_devices lists {len(specs)} devices for {self.num_agents} agents.")
@@ -675,7 +733,9 @@ class MAGRPOTrainer:
                 signal.signal(sig, handler)
 
     def save_model(self, output_dir: str) -> None:
-        """HF `save_pretrained` of each agent (and its tokenizer) into output_dir/agent_<i>/."""
+        """HF `save_pretrained` of each agent (and its tokenizer) into output_dir/agent_<i>/ (rank 0)."""
+        if not self.dist.is_main:
+            return
         for i, agent in enumerate(self.agents):
             target = Path(output_dir) / f"agent_{i}"
             getattr(agent, "module", agent).save_pretrained(target)
@@ -683,6 +743,7 @@ class MAGRPOTrainer:
 
     def close(self) -> None:
         self.logger.close()
+        self.dist.close()
 
 
 def json_run_id(checkpoint_path: Path) -> Optional[str]:
