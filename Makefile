@@ -18,7 +18,8 @@ PIP_ARGS ?=
 RUN ?=
 EPOCHS ?=
 ARGS ?=
-# Processes per run. Placeholder for multi-process training (torchrun); only 1 is supported now.
+# Processes per run: NPROC>1 launches data-parallel ranks with torchrun (one node; gloo on CPU,
+# nccl on GPUs). All ranks share one run dir through COMLRL_RUN_STAMP.
 NPROC ?= 1
 
 # One intra-op thread: at these model sizes more threads only add contention (override per call).
@@ -27,9 +28,10 @@ export OMP_NUM_THREADS ?= 1
 TEST_ENV := OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
 
 ifeq ($(NPROC),1)
-LAUNCH := $(PY)
+LAUNCH = $(PY)
 else
-LAUNCH := $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)
+LAUNCH = COMLRL_RUN_STAMP=$${COMLRL_RUN_STAMP:-$$(date +%Y-%m-%d_%H-%M-%S)_$$(od -An -N2 -tx1 /dev/urandom | tr -d ' \n')} \
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 endif
 
 .PHONY: help install train resume sweep plot sync bench test clean distclean
@@ -39,7 +41,7 @@ help: ## list the targets
 	@echo
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z][a-zA-Z_-]*:.*## / {printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo
-	@echo "Variables: ARGS=\"k=v ...\" (Hydra overrides), RUN=<run dir>, EPOCHS=N (resume), NPROC (placeholder)"
+	@echo "Variables: ARGS=\"k=v ...\" (Hydra overrides), RUN=<run dir>, EPOCHS=N (resume), NPROC=N (torchrun ranks)"
 	@echo "Examples:  make train ARGS=\"trainer.num_train_epochs=4 logger=none\""
 	@echo "           make resume RUN=outputs/default/2025-01-31_12-00-00_ab12 EPOCHS=4"
 
@@ -55,7 +57,7 @@ train: install ## one training run: python experiments/main.py $(ARGS)
 
 resume: install ## continue RUN=<run dir> in place [EPOCHS=N total] [ARGS=run-shape overrides]
 	@test -n "$(RUN)" || { echo "usage: make resume RUN=outputs/<name>/<timestamp> [EPOCHS=N] [ARGS=\"k=v ...\"]" >&2; exit 2; }
-	$(PY) experiments/resume.py "$(RUN)" $(if $(EPOCHS),trainer.num_train_epochs=$(EPOCHS)) $(ARGS)
+	$(PY) experiments/resume.py --nproc $(NPROC) "$(RUN)" $(if $(EPOCHS),trainer.num_train_epochs=$(EPOCHS)) $(ARGS)
 
 sweep: install ## example sweep: 2 jobs (num_generations=2,4) in parallel with joblib, 1 epoch
 	$(PY) experiments/main.py -m experiment=smoke trainer.num_generations=2,4 \
@@ -65,9 +67,9 @@ plot: install ## reward and loss curves of RUN -> RUN/curves.png
 	@test -n "$(RUN)" || { echo "usage: make plot RUN=outputs/<name>/<timestamp>" >&2; exit 2; }
 	$(PY) -m comlrl.plot "$(RUN)"
 
-sync: install ## upload RUN's W&B offline segments (oldest first; needs a W&B login)
+sync: install ## upload RUN's W&B offline segments, oldest first (ARGS=--dry-run to list)
 	@test -n "$(RUN)" || { echo "usage: make sync RUN=outputs/<name>/<timestamp>" >&2; exit 2; }
-	$(PY) -m comlrl.wandb_offline "$(RUN)/wandb" --sync
+	$(PY) -m comlrl.wandb_offline "$(RUN)/wandb" --sync $(ARGS)
 
 bench: install ## speed against CoMLRL 1.4.3; updates the README's Performance section
 	$(PY) benchmarks/run.py --update-readme

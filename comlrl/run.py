@@ -21,6 +21,7 @@ task function).
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 import re
@@ -51,19 +52,57 @@ class RunDirError(RuntimeError):
 # Resolvers
 # ------------------------------------------------------------------------------------------------
 
+STAMP_FORMAT = "%Y-%m-%d_%H-%M-%S"
+#: Set this (e.g. `make train NPROC=2` does) to give every process of one run the same run dir name.
+RUN_STAMP_ENV = "COMLRL_RUN_STAMP"
+
+
 def _uid(nchars: Any = 4) -> str:
     return secrets.token_hex(16)[: int(nchars or 4)]
 
 
-def register_resolvers() -> None:
-    """``${uid:}``: a short random hex suffix for run dir names.
+def _torchrun_agent_stamp() -> Optional[str]:
+    """Under torchrun, a name every local rank derives alike: the launcher's start time + its id.
 
-    Two runs started in the same second would otherwise share ``outputs/<name>/<timestamp>``.
-    ``use_cache=True`` stores the value in the config's resolver cache, which Hydra copies into
-    every job's config (like ``${now:...}``), so a run dir resolves to one name everywhere.
+    The ranks are children of one torchrun agent, so its start time (from /proc, Linux) and the
+    rendezvous id are shared; Python's own clock is not (ranks can straddle a second)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    agent = os.getppid()
+    try:
+        fields = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22 of stat(5); fields[0] is field 3
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        started = boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        raise RuntimeError(
+            f"Under torchrun every rank needs the same run dir: set {RUN_STAMP_ENV}=<name> for all ranks "
+            "(make train NPROC=N does) or pass hydra.run.dir=<dir>."
+        ) from None
+    suffix = hashlib.sha256(f"{run_id}:{agent}".encode()).hexdigest()[:4]
+    return f"{_dt.datetime.fromtimestamp(started).strftime(STAMP_FORMAT)}_{suffix}"
+
+
+def _run_stamp() -> str:
+    """`<YYYY-MM-DD_HH-MM-SS>_<4 hex>`: the run dir's name under outputs/<name>/."""
+    return (os.environ.get(RUN_STAMP_ENV) or _torchrun_agent_stamp()
+            or f"{_dt.datetime.now().strftime(STAMP_FORMAT)}_{_uid(4)}")
+
+
+def register_resolvers() -> None:
+    """``${run_stamp:}`` (run dir names) and ``${uid:}`` (a short random hex suffix).
+
+    Two runs started in the same second would otherwise share ``outputs/<name>/<timestamp>``, so
+    both end in 4 random hex digits. ``use_cache=True`` stores the value in the config's resolver
+    cache, which Hydra copies into every job's config (like ``${now:...}``), so a dir resolves to
+    one name everywhere. The processes of one torchrun job agree on one name (see `_run_stamp`).
     """
     if not OmegaConf.has_resolver("uid"):
         OmegaConf.register_new_resolver("uid", _uid, use_cache=True)
+    if not OmegaConf.has_resolver("run_stamp"):
+        OmegaConf.register_new_resolver("run_stamp", _run_stamp, use_cache=True)
 
 
 register_resolvers()
@@ -293,6 +332,7 @@ def prepare_run_dir(cfg: DictConfig, run_dir: os.PathLike | str) -> Optional[str
     function writes anything.
 
     * Fresh run (`resume=false`): the dir must not already be a run (no run_config.yaml).
+    * Under torchrun only rank 0 checks and writes.
     * `resume=true`: the composed config may differ from the saved one only in run-shape keys; the
       saved config is then updated with them (so a later resume continues to the new target). A
       dir without a saved config starts fresh, so a requeued cluster job with `resume=true`
@@ -303,6 +343,10 @@ def prepare_run_dir(cfg: DictConfig, run_dir: os.PathLike | str) -> Optional[str
     now = _dt.datetime.now().isoformat(timespec="seconds")
     overrides = _job_overrides()
     resuming = bool(cfg.get("resume", False))
+    if int(os.environ.get("RANK", "0")) != 0:
+        # torchrun: rank 0 owns the run dir (checks, config, segments), as it owns checkpoints and
+        # logs; if it refuses to start, torchrun stops the other ranks.
+        return "auto" if resuming else None
 
     if not resuming and saved_path.exists():
         raise RunDirError(

@@ -4,6 +4,7 @@
     python experiments/main.py model=qwen2.5-0.5b logger.mode=online trainer.num_train_epochs=4
     python experiments/main.py -m trainer.num_generations=2,4 hydra/launcher=joblib
     make resume RUN=outputs/default/<timestamp>                  # see experiments/resume.py
+    make train NPROC=2                                           # data-parallel ranks via torchrun
 
 No training logic lives here: the loop is `comlrl.trainers.reinforce.MAGRPOTrainer`, run-dir
 bookkeeping is `comlrl.run`.
@@ -12,6 +13,7 @@ bookkeeping is `comlrl.run`.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import hydra
@@ -64,7 +66,8 @@ def main(cfg: DictConfig) -> None:
     finally:
         trainer.close()
     log.info("Done: %s", summary)
-    print(f"Run dir: {run_dir}")
+    if os.environ.get("RANK", "0") == "0":  # torchrun: one line, not one per rank
+        print(f"Run dir: {run_dir}")
 
 
 if __name__ == "__main__":

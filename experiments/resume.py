@@ -1,6 +1,6 @@
 """Continue a run in its own dir: `make resume RUN=<run dir> [EPOCHS=N] [ARGS="k=v ..."]`.
 
-    python experiments/resume.py RUN [trainer.num_train_epochs=N] [run-shape overrides ...]
+    python experiments/resume.py [--nproc N] RUN [trainer.num_train_epochs=N] [run-shape overrides ...]
 
 1. Checks, before anything is written: RUN is a run dir (holds run_config.yaml), and every
    override is run-shape (trainer.num_train_epochs / logging_steps / agent_devices and the other
@@ -49,6 +49,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", help="the run dir (outputs/<name>/<timestamp>_<uid>)")
     parser.add_argument("overrides", nargs="*", help="run-shape Hydra overrides, e.g. trainer.num_train_epochs=4")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="data-parallel ranks (torchrun, one node); use the run's original count")
     parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     args = parser.parse_args(argv)
 
@@ -73,8 +75,11 @@ def main(argv=None) -> int:
         print(f"{run_dir} has no complete checkpoint yet: training it from the start, in place.")
 
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    launcher = [sys.executable]
+    if args.nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
     command = [
-        sys.executable, str(MAIN),
+        *launcher, str(MAIN),
         f"--config-path={run_dir}", f"--config-name={Path(RUN_CONFIG).stem}",
         f"hydra.run.dir={_quote(str(run_dir))}",
         "hydra.job.name=train",

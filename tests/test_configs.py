@@ -223,7 +223,14 @@ def test_launchers_compose(launcher):
     assert hasattr(importlib.import_module(module), name)  # the plugin is installed
 
 
-def test_run_and_sweep_dirs_are_collision_safe():
+def test_run_stamp_env_gives_every_process_one_dir(monkeypatch):
+    monkeypatch.setenv(runlib.RUN_STAMP_ENV, "2025-01-31_12-00-00_abcd")
+    assert compose_cfg(["name=abc"], hydra_cfg=True).hydra.run.dir == "outputs/abc/2025-01-31_12-00-00_abcd"
+
+
+def test_run_and_sweep_dirs_are_collision_safe(monkeypatch):
+    monkeypatch.delenv(runlib.RUN_STAMP_ENV, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     cfg = compose_cfg(["name=abc"], hydra_cfg=True)
     run_dirs = {str(compose_cfg(["name=abc"], hydra_cfg=True).hydra.run.dir) for _ in range(5)}
     assert len(run_dirs) == 5, "two runs composed in the same second must get different dirs"
@@ -340,7 +347,7 @@ def test_make_help_lists_targets():
         assert re.search(rf"make {target}\b", out), target
     dry = subprocess.run(["make", "-n", "-o", "install", "resume", "RUN=outputs/x", "EPOCHS=3", "ARGS=logger.mode=online"],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout
-    assert 'experiments/resume.py "outputs/x" trainer.num_train_epochs=3 logger.mode=online' in dry
+    assert 'experiments/resume.py --nproc 1 "outputs/x" trainer.num_train_epochs=3 logger.mode=online' in dry
 
 
 def test_ci_runs_make_test():

@@ -6,6 +6,7 @@
 * Disallowed overrides on resume are refused with a message, and nothing in the run changes.
 * A finished run is left alone; a missing run dir is a clear error.
 * A 2-job multirun with the joblib launcher gives two run dirs with checkpoints.
+* `make train NPROC=2` (torchrun, gloo on CPU): both ranks share one run dir.
 """
 
 from __future__ import annotations
@@ -167,3 +168,15 @@ def test_joblib_multirun_gives_one_run_dir_per_job(tmp_path):
         assert (job_dir / "final" / "agent_1").is_dir()
         assert f"num_generations: {k}" in (job_dir / "run_config.yaml").read_text()
         assert metrics_steps(job_dir) == [2 * k, 4 * k]  # aligned: K joint actions per prompt
+
+
+def test_torchrun_ranks_share_one_run_dir(tmp_path):
+    # The default run dir name (${run_stamp:}) under a tmp root, so both ranks must agree on it.
+    make("train", "NPROC=2", f"ARGS={' '.join(SMALL)} name=dp trainer.agent_devices=cpu "
+                             f"hydra.run.dir={tmp_path}/\\$${{run_stamp:}}", timeout=300)
+    run_dirs = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(run_dirs) == 1, run_dirs
+    run_dir = run_dirs[0]
+    assert (run_dir / "checkpoints" / "checkpoint-1").is_dir() and (run_dir / "final" / "agent_0").is_dir()
+    assert metrics_steps(run_dir) == [8, 16]
+    assert len(run_dir.joinpath("segments.jsonl").read_text().splitlines()) == 1  # rank 0 only
