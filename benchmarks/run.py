@@ -359,10 +359,10 @@ def machine_line(info: dict, date: str) -> str:
     )
 
 
-def update_readme(table: str, info: dict, date: str, repeats: int) -> None:
-    text = README.read_text(encoding="utf-8")
+def update_readme(table: str, info: dict, date: str, repeats: int, readme: Path = README) -> None:
+    text = readme.read_text(encoding="utf-8")
     if TABLE_START not in text or TABLE_END not in text:
-        raise SystemExit(f"{README} lacks the {TABLE_START} / {TABLE_END} markers")
+        raise SystemExit(f"{readme} lacks the {TABLE_START} / {TABLE_END} markers")
     head, rest = text.split(TABLE_START, 1)
     _, tail = rest.split(TABLE_END, 1)
     body = (
@@ -370,7 +370,7 @@ def update_readme(table: str, info: dict, date: str, repeats: int) -> None:
         f"wall seconds of `trainer.train()`, and its process CPU seconds (steadier when the "
         f"machine is shared); peak RSS is the max over runs.\n\n{table}\n{TABLE_END}"
     )
-    README.write_text(head + body + tail, encoding="utf-8")
+    readme.write_text(head + body + tail, encoding="utf-8")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,6 +393,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--with-reference", action="store_true", help="with --smoke: also CoMLRL")
     p.add_argument("--update-readme", action="store_true", help="rewrite the README table")
+    p.add_argument(
+        "--readme",
+        action="append",
+        default=None,
+        help=f"file(s) whose {TABLE_START} ... {TABLE_END} section --update-readme rewrites "
+        "(repeatable; default benchmarks/README.md)",
+    )
     p.add_argument("--json-out", default=None, help="results file (default results/<date>.json)")
     p.add_argument("--no-save", action="store_true", help="do not write a results file")
     return p.parse_args(argv)
@@ -463,8 +470,9 @@ def main(argv=None) -> int:
     if args.update_readme:
         if args.smoke:
             raise SystemExit("--update-readme needs a full run, not --smoke")
-        update_readme(table, info, date, repeats)
-        _log(f"[bench] updated {README}")
+        for readme in args.readme or [README]:
+            update_readme(table, info, date, repeats, Path(readme))
+            _log(f"[bench] updated {readme}")
     return 0
 
 
