@@ -8,13 +8,15 @@ node at turn t+1 whose prompts come from `external_transition`.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from transformers import DynamicCache
 
 from comlrl.losses import completion_mask
 
@@ -60,14 +62,70 @@ def _eos_ids(tokenizer, model) -> List[int]:
     return sorted(ids)
 
 
+def sample_seed(key: Tuple) -> int:
+    """A 63-bit seed that is a pure function of `key` (no global RNG involved)."""
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") & (2**63 - 1)
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Temperature, then nucleus (top-p) filtering, as transformers' warpers apply them."""
+    logits = logits / temperature
+    if top_p < 1.0:
+        ascending, order = torch.sort(logits, dim=-1)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= 1.0 - top_p
+        drop_sorted[:, -1] = False  # the most likely token always survives
+        drop = drop_sorted.scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def draw_tokens(logits: torch.Tensor, uniforms: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """Sample one token per row: temperature -> top-k -> top-p -> inverse-CDF draw.
+
+    With top-k, only the k best logits are sorted and normalised (everything outside them has
+    probability zero after top-k anyway), so a step costs O(k log k) past the top-k instead of a
+    full-vocabulary sort. Inverse-CDF sampling with one pre-drawn uniform per row is equivalent in
+    distribution to torch.multinomial, and a row's draw depends only on its own uniform, so a sample
+    does not change with the batch it was generated in (sharding, resume).
+    """
+    vocab = logits.shape[-1]
+    top_k = settings.top_k if settings.top_k and settings.top_k < vocab else None
+    if top_k:
+        logits, candidates = torch.topk(logits, top_k, dim=-1)  # sorted, best first
+        logits = logits.flip(-1)
+        candidates = candidates.flip(-1)
+    logits = filter_logits(logits, settings.temperature, settings.top_p)
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    targets = uniforms.unsqueeze(-1) * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, targets, right=True).clamp_(max=logits.shape[-1] - 1)
+    if top_k:
+        picked = candidates.gather(-1, picked)
+    return picked.squeeze(-1)
+
+
+def _cache_argument(model) -> str:
+    # transformers renamed `past_key_values` to `cache` in forward(); support both spellings.
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
 @torch.inference_mode()
-def sample_completions(model, tokenizer, prompts: Sequence[str], settings: SamplingSettings) -> AgentSamples:
-    """Sample K completions for every prompt in ONE `generate` call (left padding, KV cache)."""
+def sample_completions(model, tokenizer, prompts: Sequence[str], settings: SamplingSettings,
+                       keys: Optional[Sequence[Tuple]] = None) -> AgentSamples:
+    """Sample K completions for every prompt in one batched decode (left padding, KV cache).
+
+    Row r = (prompt b, sample k) draws its tokens from uniforms seeded by ``(keys[b], k)``, so the
+    completions are a pure function of the weights, the prompts and their keys: the same whether
+    a prompt is sampled alone, in a bigger batch, on another data-parallel rank, or after a resume.
+    Sampling follows `generate`'s semantics: temperature -> top-k -> top-p, stop at EOS, pad after.
+    """
     device = next(model.parameters()).device
     if not prompts:  # a data-parallel rank whose shard of this turn is empty
         empty = torch.zeros(0, 0, dtype=torch.long, device=device)
         return AgentSamples([], empty, empty, empty, empty.bool(), [])
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _eos_ids(tokenizer, model)[0]
+    k, max_new = settings.num_generations, settings.max_new_tokens
+    eos_ids = _eos_ids(tokenizer, model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     previous_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     try:
@@ -76,29 +134,47 @@ def sample_completions(model, tokenizer, prompts: Sequence[str], settings: Sampl
         tokenizer.padding_side = previous_side
     prompt_ids = enc["input_ids"].to(device)
     prompt_mask = enc["attention_mask"].to(device)
+    keys = list(keys) if keys is not None else [("prompt", text) for text in prompts]
+    uniforms = torch.stack([
+        torch.rand(max_new, generator=torch.Generator().manual_seed(sample_seed((key, j))), dtype=torch.float64)
+        for key in keys for j in range(k)
+    ]).to(device)
+
+    # Prefill each prompt once, then share its KV cache among its K samples.
+    cache_argument = _cache_argument(model)
+    cache = DynamicCache(config=model.config)
+    positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+    rows = prompt_ids.shape[0] * k
+    width = prompt_ids.shape[1]
+    attention = torch.ones(rows, width + max_new, dtype=prompt_mask.dtype, device=device)
+    attention[:, :width] = prompt_mask.repeat_interleave(k, dim=0)
+    eos = torch.tensor(eos_ids, device=device)
+    generated = torch.full((rows, max_new), pad_id, dtype=torch.long, device=device)
+    unfinished = torch.ones(rows, dtype=torch.bool, device=device)
     was_training = model.training
     model.eval()
     try:
-        sequences = model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            do_sample=True,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            top_k=settings.top_k if settings.top_k is not None else 0,
-            num_beams=1,
-            num_return_sequences=settings.num_generations,
-            max_new_tokens=settings.max_new_tokens,
-            pad_token_id=pad_id,
-            eos_token_id=_eos_ids(tokenizer, model),
-            use_cache=True,
-        )
+        logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
+                       logits_to_keep=1, **{cache_argument: cache}).logits[:, -1, :].float().repeat_interleave(k, dim=0)
+        cache.batch_repeat_interleave(k)
+        positions = positions[:, -1:].repeat_interleave(k, dim=0)
+        steps = 0
+        for t in range(max_new):
+            tokens = draw_tokens(logits, uniforms[:, t].to(logits.dtype), settings)
+            tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad_id))
+            generated[:, t] = tokens
+            steps = t + 1
+            unfinished &= ~torch.isin(tokens, eos)
+            if t + 1 == max_new or not bool(unfinished.any()):
+                break
+            positions = positions + 1
+            logits = model(input_ids=tokens.unsqueeze(1), attention_mask=attention[:, : width + t + 1],
+                           position_ids=positions, use_cache=True, logits_to_keep=1,
+                           **{cache_argument: cache}).logits[:, -1, :].float()
     finally:
         model.train(was_training)
-    completion_ids = sequences[:, prompt_ids.shape[1]:]
-    if completion_ids.shape[1] == 0:  # every row stopped before producing a token (max_new_tokens=0)
-        raise ValueError("generate returned no completion tokens; max_new_tokens must be >= 1.")
-    mask = completion_mask(completion_ids, _eos_ids(tokenizer, model))
+    completion_ids = generated[:, :steps]
+    mask = completion_mask(completion_ids, eos_ids)
     texts = tokenizer.batch_decode(
         [row[: int(n)] for row, n in zip(completion_ids.tolist(), mask.sum(dim=1).tolist())],
         skip_special_tokens=True,

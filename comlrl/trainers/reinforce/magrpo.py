@@ -296,11 +296,12 @@ class MAGRPOTrainer:
                     for buffer_index in range(first, len(buffers)):
                         bar.set_description(f"MAGRPO epoch {epoch + 1}/{total_epochs}")
                         positions = buffers[buffer_index]
-                        items = [self.train_dataset[i] for i in self.dist.shard(positions)]
+                        shard = self.dist.shard(positions)
+                        items = [self.train_dataset[i] for i in shard]
                         self._maybe_evaluate(positions)
 
                         # 1. rollout + 2. reward + 3. returns
-                        turns = self._rollout(items)
+                        turns = self._rollout(items, [("train", a.seed, epoch, p) for p in shard])
                         compute_returns(turns, a.discount)
 
                         # 4. advantage, loss and optimizer step, agent by agent
@@ -342,20 +343,28 @@ class MAGRPOTrainer:
     # Phases
     # ============================================================================================
 
-    def _rollout(self, items: List[dict]) -> List[TurnBatch]:
-        """Sample every turn of the episodes starting at `items`; score each turn's joint actions."""
+    def _rollout(self, items: List[dict], keys: List[tuple], dist: Optional[DistContext] = None) -> List[TurnBatch]:
+        """Sample every turn of the episodes starting at `items`; score each turn's joint actions.
+
+        `keys` name each episode (seed, split, epoch, dataset position); a node's samples are drawn
+        from uniforms seeded by its key, its path in the tree and the agent, so they do not depend on
+        batching, sharding or resume. `dist` is the group the env_step count is summed over.
+        """
         a = self.args
+        dist = dist or self.dist
         num_joint = self.joint_index.shape[0]
         prompts = [[fmt(item) for item in items] for fmt in self.formatters]
         parents: List[Optional[tuple]] = [None] * len(items)
         history_prompts = [[[] for _ in range(self.num_agents)] for _ in items]
         history_responses = [[[] for _ in range(self.num_agents)] for _ in items]
         node_items = list(items)
+        node_keys = list(keys)
         turns: List[TurnBatch] = []
         for turn_index in range(a.num_turns):
             samples = []
             for i in range(self.num_agents):
-                samples.append(sample_completions(self.agents[i], self.tokenizers[i], prompts[i], self.sampling))
+                samples.append(sample_completions(self.agents[i], self.tokenizers[i], prompts[i], self.sampling,
+                                                  keys=[key + (f"agent_{i}",) for key in node_keys]))
                 faults.point("generate")
             turn = TurnBatch(turn_index, node_items, prompts, samples, self.joint_index, None, parents,
                              history_prompts, history_responses)
@@ -363,14 +372,15 @@ class MAGRPOTrainer:
             faults.point("reward")
             if self.reward_processor is not None:
                 turn.rewards = turn.rewards.apply_(self.reward_processor)
-            self.env_step += sum(self.dist.all_gather_int(turn.rewards.numel()))
+            self.env_step += sum(dist.all_gather_int(turn.rewards.numel()))
             turns.append(turn)
             if turn_index == a.num_turns - 1:
                 break
             # Every joint action of a node that is not terminated spawns a child node.
             joint_texts = turn.joint_completions()
             next_prompts = [[] for _ in range(self.num_agents)]
-            parents, node_items, history_prompts, history_responses = [], [], [], []
+            parents, node_items, history_prompts, history_responses, parent_keys = [], [], [], [], node_keys
+            node_keys = []
             for node in range(turn.num_nodes):
                 threshold = a.early_termination_threshold
                 if threshold is not None and float(turn.rewards[node].mean()) > threshold:
@@ -390,10 +400,11 @@ class MAGRPOTrainer:
                         next_prompts[i].append(new[i] if a.external_prompt_passthrough
                                                else self.formatters[i]({**item, "prompt": new[i]}))
                     parents.append((node, j))
+                    node_keys.append(parent_keys[node] + (j,))
                     node_items.append(item)
                     history_prompts.append(hist_p)
                     history_responses.append(hist_r)
-            if not self.dist.any_flag(bool(parents)):
+            if not dist.any_flag(bool(parents)):
                 break
             prompts = next_prompts
         return turns
@@ -514,24 +525,23 @@ class MAGRPOTrainer:
         self._pending_eval = self.evaluate()
 
     def evaluate(self, num_eval_samples: Optional[int] = None) -> Dict[str, float]:
-        """Greedy-free eval: one sampled joint episode per eval row; metrics under ``eval/``."""
+        """One sampled joint episode per eval row; metrics under ``eval/``.
+
+        Eval samples come from their own keys (split "eval"), never from a training stream, so turning
+        evaluation on leaves the training trajectory bit-identical."""
         if self.eval_dataset is None:
             return {}
         n = min(self.args.eval_num_samples if num_eval_samples is None else num_eval_samples, len(self.eval_dataset))
         items = [self.eval_dataset[i] for i in range(n)]
+        keys = [("eval", self.args.seed, self.env_step, i) for i in range(n)]
         saved_sampling, saved_joint, saved_step = self.sampling, self.joint_index, self.env_step
-        with torch.random.fork_rng(devices=[d for d in self.devices if d.type == "cuda"]):
-            state = random.getstate()
-            torch.manual_seed(self.args.seed * 1_000_003 + self.env_step)
-            random.seed(self.args.seed * 1_000_003 + self.env_step)
-            try:
-                self.sampling = dataclasses.replace(self.sampling, num_generations=1)
-                self.joint_index = joint_action_indices(self.num_agents, 1, "aligned")
-                turns = self._rollout(items)
-                compute_returns(turns, self.args.discount)
-            finally:
-                self.sampling, self.joint_index, self.env_step = saved_sampling, saved_joint, saved_step
-                random.setstate(state)
+        try:
+            self.sampling = dataclasses.replace(self.sampling, num_generations=1)
+            self.joint_index = joint_action_indices(self.num_agents, 1, "aligned")
+            turns = self._rollout(items, keys, dist=DistContext())  # rank 0 alone: no collectives
+            compute_returns(turns, self.args.discount)
+        finally:
+            self.sampling, self.joint_index, self.env_step = saved_sampling, saved_joint, saved_step
         return {f"eval/{k}": v for k, v in metrics_for_turns(turns).items()}
 
     # ============================================================================================

@@ -1,0 +1,60 @@
+"""Sampling: same filtering as transformers' warpers, and samples that do not depend on the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from comlrl.models import load_causal_lm, load_tokenizer
+from comlrl.rollout import SamplingSettings, draw_tokens, sample_completions
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.6, 50, 0.6), (1.0, None, 0.9), (0.7, 5, 1.0), (1.3, 20, 0.3)])
+def test_token_distribution_matches_transformers_warpers(temperature, top_k, top_p):
+    """Drawing with a fine grid of uniforms reproduces the warped distribution of `generate`."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 300) * 3
+    reference = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        reference = TopKLogitsWarper(top_k)(None, reference)
+    if top_p < 1.0:
+        reference = TopPLogitsWarper(top_p)(None, reference)
+    want = reference.softmax(-1)
+    grid = 20000
+    uniforms = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
+    settings = SamplingSettings(2, 1, temperature, top_p, top_k)
+    for row in range(3):
+        tokens = draw_tokens(logits[row:row + 1].expand(grid, -1), uniforms, settings)
+        got = torch.bincount(tokens, minlength=300).double() / grid
+        assert torch.equal(got > 0, want[row] > 1.0 / grid) or (got - want[row]).abs().max() < 2.0 / grid
+        assert (got - want[row].double()).abs().max() < 2.0 / grid
+        assert set(tokens.tolist()) <= set(torch.nonzero(want[row] > 0).flatten().tolist())
+
+
+def test_samples_do_not_depend_on_the_batch(tiny_model_dir):
+    model, tok = load_causal_lm(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    settings = SamplingSettings(num_generations=3, max_new_tokens=24, temperature=1.0, top_p=0.95, top_k=50)
+    prompts = ["Hi:", "A much longer prompt that pads the short one on the left:"]
+    together = sample_completions(model, tok, prompts, settings, keys=[("a",), ("b",)])
+    alone = sample_completions(model, tok, prompts[:1], settings, keys=[("a",)])
+    assert together.texts[:3] == alone.texts
+    again = sample_completions(model, tok, prompts, settings, keys=[("a",), ("b",)])
+    assert torch.equal(again.completion_ids, together.completion_ids)
+    other = sample_completions(model, tok, prompts, settings, keys=[("c",), ("d",)])
+    assert other.texts != together.texts
+    assert len(set(together.texts[:3])) == 3  # K samples of one prompt differ
+
+
+def test_rows_stop_at_eos_and_are_padded_after(tiny_model_dir):
+    model, tok = load_causal_lm(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    eos = tok.eos_token_id
+    # A hot temperature over the random model's 257 tokens: ~1 in 4 rows meets EOS within 64 steps.
+    settings = SamplingSettings(num_generations=16, max_new_tokens=64, temperature=3.0, top_p=1.0, top_k=None)
+    s = sample_completions(model, tok, ["x"], settings, keys=[("eos",)])
+    lengths = s.completion_mask.sum(dim=1)
+    assert bool((lengths < s.completion_ids.shape[1]).any()) and int(lengths.max()) == 64
+    for row, mask in zip(s.completion_ids, s.completion_mask):
+        n = int(mask.sum())
+        if n < row.shape[0]:
+            assert row[n - 1] == eos and bool((row[n:] == tok.pad_token_id).all())
