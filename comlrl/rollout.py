@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from comlrl.losses import completion_mask
+from comlrl.models.lean import lean_decoder_for
 
 JOINT_MODES = ("aligned", "cross")
 
@@ -158,6 +159,10 @@ def sample_completions(model, tokenizer, prompts: Sequence[str], settings: Sampl
                        logits_to_keep=1, **{cache_argument: cache}).logits[:, -1, :].float().repeat_interleave(k, dim=0)
         cache.batch_repeat_interleave(k)
         positions = positions[:, -1:].repeat_interleave(k, dim=0)
+        lean = lean_decoder_for(model)
+        if lean is not None:
+            lean_cache = lean.allocate_cache(cache, width + max_new)
+            attend = attention.bool().view(rows, 1, 1, -1)
         steps = 0
         for t in range(max_new):
             tokens = draw_tokens(logits, uniforms[:, t].to(logits.dtype), settings)
@@ -168,9 +173,12 @@ def sample_completions(model, tokenizer, prompts: Sequence[str], settings: Sampl
             if t + 1 == max_new or not bool(unfinished.any()):
                 break
             positions = positions + 1
-            logits = model(input_ids=tokens.unsqueeze(1), attention_mask=attention[:, : width + t + 1],
-                           position_ids=positions, use_cache=True, logits_to_keep=1,
-                           **{cache_argument: cache}).logits[:, -1, :].float()
+            if lean is not None:
+                logits = lean.step(tokens, positions, lean_cache, width + t, attend).float()
+            else:
+                logits = model(input_ids=tokens.unsqueeze(1), attention_mask=attention[:, : width + t + 1],
+                               position_ids=positions, use_cache=True, logits_to_keep=1,
+                               **{cache_argument: cache}).logits[:, -1, :].float()
     finally:
         model.train(was_training)
     completion_ids = generated[:, :steps]

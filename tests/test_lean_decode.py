@@ -1,0 +1,62 @@
+"""The lean decode step computes the same logits as the transformers model it reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config
+
+from comlrl import rollout
+from comlrl.models import load_causal_lm, load_tokenizer
+from comlrl.models.lean import lean_decoder_for
+from comlrl.rollout import SamplingSettings, sample_completions
+
+
+def tiny(config_cls, **extra):
+    torch.manual_seed(0)
+    settings = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = config_cls(**{**settings, **extra})
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("model", [tiny(Qwen2Config), tiny(LlamaConfig), tiny(LlamaConfig, num_key_value_heads=4)],
+                         ids=["qwen2-gqa", "llama-gqa", "llama-mha"])
+def test_lean_steps_match_the_model_forward_with_left_padding(model):
+    prompt = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])  # row 0 left-padded
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    continuation = torch.tensor([[11, 12, 13], [21, 22, 23]])
+    lean = lean_decoder_for(model)
+    assert lean is not None
+    with torch.no_grad():
+        positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=prompt, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
+              **{rollout._cache_argument(model): cache})
+        buffers = lean.allocate_cache(cache, 5 + 3)
+        attend = torch.cat([prompt_mask, torch.ones(2, 3, dtype=torch.long)], 1).bool().view(2, 1, 1, -1)
+        full_ids = torch.cat([prompt, continuation], 1)
+        full_mask = torch.cat([prompt_mask, torch.ones(2, 3, dtype=torch.long)], 1)
+        full_positions = (full_mask.cumsum(1) - 1).clamp(min=0)
+        reference = model(input_ids=full_ids, attention_mask=full_mask, position_ids=full_positions).logits
+        for t in range(3):
+            logits = lean.step(continuation[:, t], full_positions[:, 5 + t:6 + t], buffers, 5 + t, attend)
+            assert torch.allclose(logits, reference[:, 5 + t], atol=1e-5, rtol=1e-5)
+
+
+def test_lean_and_model_forward_sample_the_same_tokens(tiny_model_dir, monkeypatch):
+    model, tok = load_causal_lm(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    settings = SamplingSettings(num_generations=4, max_new_tokens=32, temperature=0.8, top_p=0.9, top_k=50)
+    prompts = ["Hi:", "Design a playground on Mars:"]
+    lean = sample_completions(model, tok, prompts, settings, keys=[("x",), ("y",)])
+    monkeypatch.setattr(rollout, "lean_decoder_for", lambda model: None)
+    plain = sample_completions(model, tok, prompts, settings, keys=[("x",), ("y",)])
+    assert torch.equal(lean.completion_ids, plain.completion_ids)
+
+
+def test_unknown_architectures_fall_back():
+    from transformers import GPT2Config
+
+    torch.manual_seed(0)
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    assert lean_decoder_for(gpt2) is None
