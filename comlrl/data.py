@@ -1,4 +1,5 @@
-"""Prompt datasets: the seed example's four story prompts and JSON/JSONL prompt files.
+"""Prompt datasets: the seed example's four story prompts (and two held-out ones for evaluation)
+and JSON/JSONL prompt files.
 
 Files are parsed with the standard `json` module and turned into a `datasets.Dataset` in memory,
 not via `datasets.load_dataset`: that keeps loading instant, writes nothing to the HF cache, and
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from datasets import Dataset
 
-__all__ = ["STORY_PROMPTS", "story_prompts", "load_prompts_file"]
+__all__ = ["STORY_PROMPTS", "STORY_EVAL_PROMPTS", "story_prompts", "story_eval_prompts", "load_prompts_file"]
 
 STORY_PROMPTS = (
     "Describe a city in the clouds:",
@@ -23,9 +24,21 @@ STORY_PROMPTS = (
 )
 
 
+# Held out from training: same style of task, prompts the agents never train on.
+STORY_EVAL_PROMPTS = (
+    "Describe a library under the sea:",
+    "Write a lullaby for a robot:",
+)
+
+
 def story_prompts() -> Dataset:
     """The four prompts of the seed example, as a Dataset with a single "prompt" column."""
     return Dataset.from_dict({"prompt": list(STORY_PROMPTS)})
+
+
+def story_eval_prompts() -> Dataset:
+    """Two held-out story prompts (an eval set for `story_prompts`), one "prompt" column."""
+    return Dataset.from_dict({"prompt": list(STORY_EVAL_PROMPTS)})
 
 
 def _read_records(path: Path) -> list[dict]:

@@ -3,6 +3,7 @@
     python experiments/main.py                                  # the tiny default run
     python experiments/main.py model=qwen2.5-0.5b logger.mode=online trainer.num_train_epochs=4
     python experiments/main.py -m trainer.num_generations=2,4 hydra/launcher=joblib
+    python experiments/main.py experiment=three_agents          # a preset of conf/experiment/
     make resume RUN=outputs/default/<timestamp>                  # see experiments/resume.py
     make train NPROC=2                                           # data-parallel ranks via torchrun
 
@@ -38,6 +39,8 @@ def main(cfg: DictConfig) -> None:
     reward_func = instantiate(cfg.reward.func)
     train_dataset = instantiate(cfg.data.train)
     eval_dataset = instantiate(cfg.data.eval) if cfg.data.get("eval") else None
+    # Multi-turn runs: conf/transition/<option> (added by a preset or `+transition=...`); none by default.
+    external_transition = instantiate(cfg.transition) if cfg.get("transition") else None
     args = instantiate(cfg.trainer)
     wandb_config = OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None
 
@@ -47,6 +50,7 @@ def main(cfg: DictConfig) -> None:
         reward_func=reward_func,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
+        external_transition=external_transition,
         args=args,
         wandb_config=wandb_config,
         metrics_path=str(run_dir / "metrics.jsonl"),
