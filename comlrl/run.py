@@ -312,6 +312,12 @@ def checkpoint_progress(checkpoint: os.PathLike | str) -> Dict[str, Any]:
     return dict(state.get("progress", {}))
 
 
+def checkpoint_world_size(checkpoint: os.PathLike | str) -> Optional[int]:
+    """How many data-parallel ranks wrote `checkpoint` (None for checkpoints that do not say)."""
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    return int(state["world_size"]) if state.get("world_size") is not None else None
+
+
 # ------------------------------------------------------------------------------------------------
 # Preparing a run dir (called by experiments/main.py before anything is built)
 # ------------------------------------------------------------------------------------------------
@@ -323,6 +329,14 @@ def _job_overrides() -> List[str]:
         return list(HydraConfig.get().overrides.task)
     except Exception:
         return []
+
+
+def requeue_count() -> int:
+    """How often the scheduler has requeued this job (SLURM sets SLURM_RESTART_COUNT); 0 otherwise."""
+    try:
+        return max(0, int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
+    except ValueError:
+        return 0
 
 
 def prepare_run_dir(cfg: DictConfig, run_dir: os.PathLike | str) -> Optional[str]:
@@ -337,12 +351,16 @@ def prepare_run_dir(cfg: DictConfig, run_dir: os.PathLike | str) -> Optional[str
       saved config is then updated with them (so a later resume continues to the new target). A
       dir without a saved config starts fresh, so a requeued cluster job with `resume=true`
       works from its first start on.
+    * A requeued SLURM job (`SLURM_RESTART_COUNT` > 0: preempted, or requeued by submitit after
+      a time-out) resumes as if `resume=true` were set: it re-runs in its own job dir, which
+      already holds its config and checkpoints.
     """
     run_dir = Path(run_dir)
     saved_path = run_dir / RUN_CONFIG
     now = _dt.datetime.now().isoformat(timespec="seconds")
     overrides = _job_overrides()
-    resuming = bool(cfg.get("resume", False))
+    requeues = requeue_count()
+    resuming = bool(cfg.get("resume", False)) or requeues > 0
     if int(os.environ.get("RANK", "0")) != 0:
         # torchrun: rank 0 owns the run dir (checks, config, segments), as it owns checkpoints and
         # logs; if it refuses to start, torchrun stops the other ranks.
@@ -373,6 +391,7 @@ def prepare_run_dir(cfg: DictConfig, run_dir: os.PathLike | str) -> Optional[str
         "started": now,
         "resume": resuming,
         "resumed_from": latest.name if latest is not None else None,
+        **({"requeue": requeues} if requeues else {}),
         "overrides": overrides,
         "pid": os.getpid(),
     }

@@ -32,6 +32,7 @@ from comlrl.run import (
     RunDirError,
     check_resume_overrides,
     checkpoint_progress,
+    checkpoint_world_size,
     latest_checkpoint,
     load_run_config,
 )
@@ -71,6 +72,12 @@ def main(argv=None) -> int:
                   f"pass EPOCHS=<more than {done}> to train further.")
             return 0
         print(f"Resuming {run_dir} from {latest.name} ({done} epochs done) to {target} epochs.")
+        ranks = checkpoint_world_size(latest)
+        if ranks is not None and ranks != args.nproc:
+            print(f"Note: {latest.name} was written by {ranks} rank(s) and is resumed by {args.nproc} (NPROC={args.nproc}). "
+                  "Training continues (samples are drawn per prompt, so they do not depend on the rank count), "
+                  "but gradients are summed in a different order, so the result is no longer bit-identical "
+                  f"to an uninterrupted {ranks}-rank run. NPROC={ranks} keeps it exact.")
     else:
         print(f"{run_dir} has no complete checkpoint yet: training it from the start, in place.")
 
