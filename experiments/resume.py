@@ -6,7 +6,8 @@
    override is run-shape (trainer.num_train_epochs / logging_steps / agent_devices and the other
    keys of the trainer's RUN_SHAPE_KEYS, checkpoint.*, logger.mode, hydra.*). Anything else is
    refused with a message naming the key and the allowed ones.
-2. A run whose latest complete checkpoint already reached the target epochs: says so, exits 0.
+2. A run whose latest complete checkpoint already reached the target epochs: says so, exits 0
+   (unless final/ lacks an agent's weights, stopped while writing it: then it is written again).
 3. Otherwise re-composes the run from its saved config and continues in place:
 
        python experiments/main.py --config-path=<RUN> --config-name=run_config \
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import sys
 from pathlib import Path
@@ -45,6 +47,12 @@ def _quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def missing_final_agents(run_dir: Path, checkpoint: Path) -> list:
+    """Agents whose final/agent_<i>/model.safetensors is missing (a run stopped while writing final/)."""
+    num_agents = int(json.loads((checkpoint / "trainer_state.json").read_text()).get("num_agents", 0))
+    return [i for i in range(num_agents) if not (run_dir / "final" / f"agent_{i}" / "model.safetensors").is_file()]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,11 +75,15 @@ def main(argv=None) -> int:
     latest = latest_checkpoint(run_dir)
     if latest is not None:
         done = int(checkpoint_progress(latest).get("epoch", 0))
-        if target is not None and done >= int(target):
+        finished = target is not None and done >= int(target)
+        if finished and not missing_final_agents(run_dir, latest):
             print(f"{run_dir} is finished: {latest.name} completed {done} of {target} epochs. Nothing to do; "
                   f"pass EPOCHS=<more than {done}> to train further.")
             return 0
-        print(f"Resuming {run_dir} from {latest.name} ({done} epochs done) to {target} epochs.")
+        if finished:  # stopped after its last checkpoint, while writing final/: write it again from there
+            print(f"{run_dir} finished training ({latest.name}) but final/ is incomplete: writing it from {latest.name}.")
+        else:
+            print(f"Resuming {run_dir} from {latest.name} ({done} epochs done) to {target} epochs.")
         ranks = checkpoint_world_size(latest)
         if ranks is not None and ranks != args.nproc:
             print(f"Note: {latest.name} was written by {ranks} rank(s) and is resumed by {args.nproc} (NPROC={args.nproc}). "

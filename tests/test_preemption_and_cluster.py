@@ -1,17 +1,20 @@
 """Stop signals, requeues and cluster launches of the experiment repo (CPU, tiny model, subprocesses).
 
-* SIGTERM / SIGUSR1 / SIGINT sent to `experiments/main.py` mid-epoch: the run finishes its update,
-  writes a checkpoint holding every logged row and exits with 75 (PREEMPTED_EXIT_CODE);
-  `make resume RUN=<dir>` then ends with weights torch.equal to an uninterrupted run and the same
-  metrics.jsonl (every env_step once, identical values).
+* SIGTERM / SIGUSR1 / SIGINT (Ctrl-C: to the whole process group) sent to `experiments/main.py`
+  mid-epoch: the run finishes its update, writes a checkpoint holding every logged row and exits
+  with 75 (PREEMPTED_EXIT_CODE). After SIGTERM, `make resume RUN=<dir>` ends with weights
+  torch.equal to an uninterrupted run, the same metrics.jsonl (every env_step once, identical
+  values) and every step once in the W&B offline segments.
 * A `hydra/launcher=submitit_local` sweep of 2 jobs (with `resume=true`, as on a cluster): job 0
   gets submitit's preemption/time-out signal (SIGUSR2); submitit requeues it, the requeued job
   re-runs in the same job dir and continues from its latest checkpoint. Both jobs end identical to
   the uninterrupted run.
 * A requeued SLURM job (SLURM_RESTART_COUNT > 0) resumes in its own dir even without `resume=true`.
-* A 2-rank torchrun run stopped after epoch 1 and resumed by 1 process: completes with a warning
-  about the re-sharded streams, every env_step once, weights within float reduction noise of the
-  one-process run (sampling is keyed per prompt, so the rank count does not change the samples).
+* A 2-rank torchrun run stopped by SIGTERM (torchrun forwards it to the ranks, which checkpoint
+  together) and resumed by 1 process: completes with a note and a warning about the changed rank
+  count, every env_step once, weights within float reduction noise of the one-process run
+  (sampling is keyed per prompt, so the rank count does not change the samples).
+* `make resume` of a run that stopped while writing final/ writes it again.
 """
 
 from __future__ import annotations
@@ -172,6 +175,13 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(uninterrupted, tmp_pat
     assert len(offline) == 2 and len({seg.run_id for seg in offline}) == 1
     assert sorted(row["_step"] for seg in offline for row in seg.history) == STEPS
 
+    # Stopped after the last checkpoint, while writing final/: `make resume` writes it again.
+    (run_dir / "final" / "agent_1" / "model.safetensors").unlink()
+    rewritten = make("resume", f"RUN={run_dir}")
+    assert "final/ is incomplete" in rewritten.stdout
+    assert_same_weights(run_dir, uninterrupted)
+    assert rows(run_dir) == rows(uninterrupted) and len(find_offline_runs(run_dir / "wandb")) == 2
+
 
 def test_sigusr1_stops_the_same_way(tmp_path):
     """Same stop as SIGTERM (checkpoint holding every logged row, exit 75); resuming from it is the
@@ -269,22 +279,38 @@ def test_slurm_launcher_is_wired_for_preemption():
 # Resume with a different number of ranks
 # ------------------------------------------------------------------------------------------------
 
-def test_two_rank_run_resumed_by_one_process(uninterrupted, tiny_model_dir, tmp_path):
+def test_two_rank_run_stopped_by_sigterm_resumes_with_one_process(uninterrupted, tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    make("train", "NPROC=2", f"ARGS={' '.join(CONFIG)} trainer.num_train_epochs=1 trainer.agent_devices=cpu "
-                             f"hydra.run.dir={run_dir}")
-    assert [r["env_step"] for r in rows(run_dir)] == STEPS[:2]
-    assert checkpoint_state(run_dir / "checkpoints" / "checkpoint-1")["world_size"] == 2
+    log_path = tmp_path / "torchrun.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 str(MAIN), *CONFIG, "trainer.agent_devices=cpu", f"hydra.run.dir={run_dir}"],
+                                cwd=REPO, env=environment(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and rows(run_dir), proc, "the first metrics row")
+            proc.send_signal(signal.SIGTERM)  # to torchrun's agent, which forwards it to both ranks
+            returncode = proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    output = log_path.read_text()
+    # The ranks agree on the stop and checkpoint together; torchrun's agent then reports the signal it
+    # got (SignalException, status 1), not the ranks' 75.
+    assert returncode != 0 and "Stopped by SIGTERM" in output, output[-4000:]
+    latest = latest_checkpoint(run_dir)
+    state = checkpoint_state(latest)
+    assert state["world_size"] == 2
+    assert state["progress"]["env_step"] == rows(run_dir)[-1]["env_step"] and not (run_dir / "final").exists()
 
-    resumed = make("resume", f"RUN={run_dir}", "EPOCHS=4")  # NPROC=1
-    assert "checkpoint-1 was written by 2 rank(s) and is resumed by 1" in resumed.stdout  # resume.py's note
+    resumed = make("resume", f"RUN={run_dir}")  # NPROC=1
+    assert f"{latest.name} was written by 2 rank(s) and is resumed by 1" in resumed.stdout  # resume.py's note
     output = resumed.stdout + resumed.stderr + (run_dir / "train.log").read_text()
     assert "written by 2 ranks and is resumed by 1" in output and "re-sharded" in output  # the trainer's warning
 
     assert [r["env_step"] for r in rows(run_dir)] == STEPS  # every env_step once
     assert checkpoint_state(latest_checkpoint(run_dir))["world_size"] == 1
     # Same samples (keyed per prompt), same global minibatches; only the float reduction order of the
-    # 2-rank epoch differs from one process. Tolerance as in test_distributed.py.
+    # 2-rank updates differs from one process. Tolerance as in test_distributed.py.
     from comlrl.models import load_causal_lm
 
     initial = dict(load_causal_lm(tiny_model_dir).named_parameters())
