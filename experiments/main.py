@@ -39,7 +39,7 @@ def main(cfg: DictConfig) -> None:
     reward_func = instantiate(cfg.reward.func)
     train_dataset = instantiate(cfg.data.train)
     eval_dataset = instantiate(cfg.data.eval) if cfg.data.get("eval") else None
-    # Multi-turn runs: conf/transition/<option> (added by a preset or `+transition=...`); none by default.
+    # Multi-turn runs: conf/transition/<option> (`transition=reward_feedback` or a preset); none by default.
     external_transition = instantiate(cfg.transition) if cfg.get("transition") else None
     args = instantiate(cfg.trainer)
     wandb_config = OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None

@@ -16,6 +16,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_SILENT"] = "true"
+# Tests run `make` themselves; variables of an outer `make test ARGS=...` must not leak into them.
+for _name in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS"):
+    os.environ.pop(_name, None)
 # One model cache per checkout; exported so subprocesses (end-to-end runs) reuse the same builds
 # instead of building their own into ~/.cache.
 os.environ.setdefault("COMLRL_CACHE", str(REPO_ROOT / ".cache" / "models"))

@@ -113,9 +113,9 @@ def test_heterogeneous_agents_have_two_sizes():
 
 def test_transition_options_compose_and_are_off_by_default():
     assert compose_cfg().get("transition") is None  # single-turn runs get no transition
-    revise = instantiate(compose_cfg(["+transition=partner_revision"]).transition)
+    revise = instantiate(compose_cfg(["transition=partner_revision"]).transition)
     assert revise(prompt="Q", agent_completions=["a", "b"], num_agents=2)[0].endswith("Revise your answer:")
-    feedback = compose_cfg(["+transition=reward_feedback", "reward=length_ladder", "model.num_agents=3"])
+    feedback = compose_cfg(["transition=reward_feedback", "reward=length_ladder", "model.num_agents=3"])
     transition = instantiate(feedback.transition)
     assert transition(prompt="Q", agent_completions=["ab", "abcd", "abcdefgh"], num_agents=3)[2].endswith(
         "Previous joint score: 1.00. Improve it.")
