@@ -347,8 +347,9 @@ def load_checkpoint(path: Path, agents, optimizers, rank: int = 0, world_size: i
         restore_rng_state(saved[0])
         torch.manual_seed(rank_seed(seed, rank) + int(state["progress"]["updates_done"]))
     if len(saved) != world_size:
-        log.warning("Checkpoint %s was written by %d ranks and is resumed by %d: training continues, but the "
-                    "sampling streams are re-sharded, so the run is no longer bit-identical to an uninterrupted one.",
+        log.warning("Checkpoint %s was written by %d ranks and is resumed by %d: training continues with the same "
+                    "samples (they are keyed per prompt), but gradients are summed in another order, so the run is "
+                    "equal to an uninterrupted one only up to float rounding, not bit for bit (re-sharded).",
                     path, len(saved), world_size)
     return state
 

@@ -317,18 +317,20 @@ class MAGRPOTrainer:
                         end_of_epoch = buffer_index == len(buffers) - 1
                         position = {"epoch": epoch + 1 if end_of_epoch else epoch,
                                     "buffer_in_epoch": 0 if end_of_epoch else buffer_index + 1}
+                        stop = self._stop_signal_everywhere()  # decided once, so a stop always has its checkpoint
                         if checkpoint_dir is not None and end_of_epoch and (
                                 (epoch + 1) % checkpoint_interval == 0 or epoch + 1 == total_epochs):
                             self._save(checkpoint_dir / f"checkpoint-{epoch + 1}", position, "epoch", checkpoint_total_limit)
                         elif checkpoint_dir is not None and (
-                                (checkpoint_steps and self.updates_done % checkpoint_steps == 0) or self._stop_signal_everywhere()):
+                                stop or (checkpoint_steps and self.updates_done % checkpoint_steps == 0)):
                             self._save(checkpoint_dir / f"step-{self.updates_done}", position, "step", checkpoint_total_limit)
                         faults.point("update_end")
-                        if self._stop_signal_everywhere():
+                        if stop:
                             raise TrainingPreempted(
-                                f"Stopped by {self._stop_signal} after update {self.updates_done} (env_step {self.env_step})"
-                                + (f"; checkpoint written to {checkpoint_dir}. Resume with resume_from_checkpoint='auto'."
-                                   if checkpoint_dir is not None else "; no checkpoint_dir was set, so nothing was saved.")
+                                f"Stopped by {self._stop_signal or 'a stop signal on another rank'} after update "
+                                f"{self.updates_done} (env_step {self.env_step})"
+                                + (f"; checkpoint written to {checkpoint_dir}; resume with resume_from_checkpoint='auto'"
+                                   if checkpoint_dir is not None else "; no checkpoint_dir was set, so nothing was saved")
                             )
         finally:
             bar.close()
@@ -721,7 +723,10 @@ class MAGRPOTrainer:
 
     @contextlib.contextmanager
     def _stop_signals(self):
-        """SIGTERM/SIGUSR1/SIGINT finish the current update, checkpoint, then stop (exit code 75)."""
+        """SIGTERM/SIGUSR1/SIGUSR2/SIGINT finish the current update, checkpoint, then stop (exit 75).
+
+        A handler that was installed before (submitit's SIGUSR2 handler requeues the SLURM job) is
+        called after the checkpoint is written, so a requeued job continues from it."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -734,13 +739,17 @@ class MAGRPOTrainer:
             self._stop_signal = name
             log.warning("%s received: finishing the current update, then checkpointing and stopping.", name)
 
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
             previous[sig] = signal.signal(sig, request_stop)
         try:
             yield
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            stopped_by = getattr(signal, self._stop_signal, None) if self._stop_signal else None
+            chained = previous.get(stopped_by)
+            if callable(chained) and chained is not signal.default_int_handler:
+                chained(stopped_by, None)
 
     def save_model(self, output_dir: str) -> None:
         """HF `save_pretrained` of each agent (and its tokenizer) into output_dir/agent_<i>/ (rank 0)."""
