@@ -294,3 +294,16 @@ def test_completions_are_recorded_with_each_logged_row(tiny_model_dir, tmp_path)
     history = find_offline_runs(tmp_path / "wandb")[0].history
     assert len(history) == 2
     assert all(row["completions._type"] == "table-file" and row["completions.nrows"] == 3 for row in history)
+
+
+def test_chunked_forward_accumulates_the_same_gradient(make_trainer):
+    """max_forward_tokens only changes how the minibatch is cut into forwards: one row per chunk and
+    one chunk for all rows train to the same weights up to float rounding (same keyed samples)."""
+    results = []
+    for budget in (1, 1_000_000):
+        trainer = make_trainer(num_generations=4, max_new_tokens=12, agent_learning_rate=1e-3, max_forward_tokens=budget)
+        trainer.train()
+        results.append([dict(agent.named_parameters()) for agent in trainer.agents])
+    for one_row, one_chunk in zip(*results):
+        for name, value in one_row.items():
+            assert torch.allclose(value, one_chunk[name], atol=2e-6), name
