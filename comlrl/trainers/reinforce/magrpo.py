@@ -18,6 +18,7 @@ import shutil
 import signal
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
@@ -34,6 +35,7 @@ from comlrl.logging import MetricsSink
 from comlrl.losses import ADVANTAGE_MODES, LOSS_TYPES, completion_token_logprobs, group_advantages, policy_gradient_loss
 from comlrl.rollout import (
     JOINT_MODES,
+    AgentSamples,
     RewardCaller,
     SamplingSettings,
     TurnBatch,
@@ -214,6 +216,8 @@ class MAGRPOTrainer:
 
         self.dist = DistContext.from_environment("cuda" if torch.cuda.is_available() else "cpu")
         self.devices = self._resolve_devices(a.agent_devices)
+        self._concurrent_rollout = len(set(self.devices)) > 1
+        self._rollout_pool: Optional[ThreadPoolExecutor] = None
         for agent, device in zip(self.agents, self.devices):
             agent.to(device)
 
@@ -368,11 +372,7 @@ class MAGRPOTrainer:
         node_keys = list(keys)
         turns: List[TurnBatch] = []
         for turn_index in range(a.num_turns):
-            samples = []
-            for i in range(self.num_agents):
-                samples.append(sample_completions(self.agents[i], self.tokenizers[i], prompts[i], self.sampling,
-                                                  keys=[key + (f"agent_{i}",) for key in node_keys]))
-                faults.point("generate")
+            samples = self._sample_all_agents(prompts, node_keys)
             turn = TurnBatch(turn_index, node_items, prompts, samples, self.joint_index, None, parents,
                              history_prompts, history_responses)
             score_turn(turn, self.reward, self.num_agents)
@@ -415,6 +415,27 @@ class MAGRPOTrainer:
                 break
             prompts = next_prompts
         return turns
+
+    def _sample_all_agents(self, prompts: List[List[str]], node_keys: List[tuple]) -> List[AgentSamples]:
+        """Every agent's samples for one turn. Agents on different devices sample concurrently (one
+        thread per agent: kernels of different GPUs overlap while Python waits); samples are keyed,
+        so the result is the same in either order."""
+        def sample(i: int) -> AgentSamples:
+            return sample_completions(self.agents[i], self.tokenizers[i], prompts[i], self.sampling,
+                                      keys=[key + (f"agent_{i}",) for key in node_keys])
+
+        if self._concurrent_rollout:
+            if self._rollout_pool is None:
+                self._rollout_pool = ThreadPoolExecutor(max_workers=self.num_agents, thread_name_prefix="comlrl-agent")
+            results = list(self._rollout_pool.map(sample, range(self.num_agents)))
+            for _ in results:
+                faults.point("generate")
+            return results
+        results = []
+        for i in range(self.num_agents):
+            results.append(sample(i))
+            faults.point("generate")
+        return results
 
     def _update_agent(self, agent_index: int, turns: List[TurnBatch]) -> Dict[str, float]:
         """Policy-gradient steps for one agent over all nodes of the update, turn by turn.
@@ -787,6 +808,9 @@ class MAGRPOTrainer:
 
     def close(self) -> None:
         self.logger.close()
+        if self._rollout_pool is not None:
+            self._rollout_pool.shutdown()
+            self._rollout_pool = None
         self.dist.close()
 
 
