@@ -249,7 +249,7 @@ def test_config_errors(kwargs, message):
 
 
 def test_unknown_config_key_is_a_type_error():
-    with pytest.raises(TypeError, match="num_generation"):
+    with pytest.raises(TypeError, match="unknown setting.*'num_generation' \\(did you mean 'num_generations'\\?\\)"):
         MAGRPOConfig(num_generation=4)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import functools
 import logging
 import math
 import os
@@ -146,6 +148,25 @@ class MAGRPOConfig:
         self.allow_resume_drift = list(self.allow_resume_drift or [])
         if problems:
             raise ValueError("Invalid MAGRPOConfig:\n  - " + "\n  - ".join(problems))
+
+
+def _reject_unknown_settings(init):
+    """Wrap the dataclass __init__ so a misspelt setting names its closest valid spelling."""
+    names = [f.name for f in dataclasses.fields(MAGRPOConfig)]
+
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            hints = [f"{key!r} (did you mean {difflib.get_close_matches(key, names, n=1)[0]!r}?)"
+                     if difflib.get_close_matches(key, names, n=1) else repr(key) for key in unknown]
+            raise TypeError(f"MAGRPOConfig got unknown setting(s) {', '.join(hints)}. Valid settings: {', '.join(names)}.")
+        init(self, *args, **kwargs)
+
+    return checked_init
+
+
+MAGRPOConfig.__init__ = _reject_unknown_settings(MAGRPOConfig.__init__)
 
 
 class TrainingPreempted(SystemExit):
