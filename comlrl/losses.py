@@ -5,7 +5,7 @@ Everything here is a pure tensor function so it can be pinned by hand-computed t
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import torch
 
@@ -102,13 +102,3 @@ def policy_gradient_loss(
     if loss_type == "token_mean":
         return -weighted.sum() / mask.sum().clamp(min=1)
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}.")
-
-
-def left_pad(rows: Sequence[torch.Tensor], pad_value: int) -> torch.Tensor:
-    """Stack 1-D tensors of different lengths, padding on the left."""
-    width = max(int(r.shape[0]) for r in rows)
-    out = rows[0].new_full((len(rows), width), pad_value)
-    for i, r in enumerate(rows):
-        if r.shape[0]:
-            out[i, width - r.shape[0]:] = r
-    return out

@@ -667,7 +667,7 @@ class MAGRPOTrainer:
             return
         for existing in ckpt.list_checkpoints(checkpoint_dir):
             try:
-                owner = json_run_id(existing)
+                owner = ckpt.read_trainer_state(existing)["run_id"]
             except Exception:
                 continue
             if owner != self.run_id:
@@ -834,6 +834,3 @@ class MAGRPOTrainer:
             self._rollout_pool = None
         self.dist.close()
 
-
-def json_run_id(checkpoint_path: Path) -> Optional[str]:
-    return ckpt.read_trainer_state(checkpoint_path)["run_id"]
