@@ -77,7 +77,7 @@ PHASES = [
 SPECIFIC_TARGETS = {
     # ours
     "comlrl.rollout:sample_completions": "generation",
-    "comlrl.losses:completion_token_logprobs": "loss",
+    "comlrl.losses:shared_prompt_token_logprobs": "forward",
     "comlrl.losses:policy_gradient_loss": "loss",
     "comlrl.losses:group_advantages": "loss",
     "comlrl.logging:MetricsSink.log": "log/ckpt",

@@ -26,36 +26,6 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_ids: Iterable[int]) 
     return eos_before == 0
 
 
-def completion_token_logprobs(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask_: torch.Tensor,
-) -> torch.Tensor:
-    """Log-probs of each completion token under `model`, from one padded forward.
-
-    `prompt_ids` are left-padded, so every completion starts at the same column and its logits are
-    the last `T` positions. Only those positions go through the LM head (`logits_to_keep`), and the
-    log-softmax normaliser is taken with `logsumexp` so no full-vocabulary log-prob tensor is kept.
-    Position ids follow the attention mask exactly as `generate` builds them, so these log-probs are
-    those of the distribution the tokens were sampled from (before temperature/top-k/top-p).
-    """
-    num_completion_tokens = completion_ids.shape[1]
-    input_ids = torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask_[:, :-1].to(prompt_mask.dtype)], dim=1)
-    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=num_completion_tokens,
-    ).logits.float()
-    picked = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
 def group_advantages(returns: torch.Tensor, mode: str = "mean", normalize: bool = True) -> torch.Tensor:
     """Advantages within each group of K completions (last dim), as MAGRPO defines them.
 
@@ -102,3 +72,45 @@ def policy_gradient_loss(
     if loss_type == "token_mean":
         return -weighted.sum() / mask.sum().clamp(min=1)
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}.")
+
+
+def shared_prompt_token_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask_: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """Log-probs (rows, T) of each completion token, for groups of `group_size` completions that
+    share one prompt (completion rows are group-major; `prompt_ids` has one left-padded row per group).
+
+    Each prompt goes through the model once and its keys/values are repeated for the K completions of
+    its group, whose tokens attend to them: the prompt part of the forward and backward is done once
+    per group instead of K times (the gradient through the shared prefix is the sum over the group,
+    as with K copies). Position ids follow the attention mask as `generate` builds them, so these are
+    the log-probs of the distribution the tokens were sampled from (before temperature/top-k/top-p).
+    Only the completion positions go through the LM head, and the normaliser is taken with
+    `logsumexp`, so no full-vocabulary log-prob tensor is kept for the prompt.
+    """
+    from transformers import DynamicCache
+
+    from comlrl.models.lean import cache_argument
+
+    prompt_positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    first = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True,
+                  logits_to_keep=1, **{cache_argument(model): cache}).logits[:, -1:].float()
+    logits = first.repeat_interleave(group_size, dim=0)  # predicts each completion's first token
+    steps = completion_ids.shape[1]
+    if steps > 1:
+        cache.batch_repeat_interleave(group_size)
+        attention = torch.cat([prompt_mask.repeat_interleave(group_size, dim=0),
+                               completion_mask_[:, :-1].to(prompt_mask.dtype)], dim=1)
+        positions = prompt_positions[:, -1:].repeat_interleave(group_size, dim=0) + 1 + torch.arange(
+            steps - 1, device=prompt_ids.device)
+        rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention, position_ids=positions,
+                     use_cache=True, **{cache_argument(model): cache}).logits.float()
+        logits = torch.cat([logits, rest], dim=1)
+    picked = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)

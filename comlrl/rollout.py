@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from comlrl.losses import completion_mask
+from comlrl.models.lean import cache_argument as lean_cache_argument
 from comlrl.models.lean import lean_decoder_for
 
 JOINT_MODES = ("aligned", "cross")
@@ -105,11 +106,6 @@ def draw_tokens(logits: torch.Tensor, uniforms: torch.Tensor, settings: Sampling
     return picked.squeeze(-1)
 
 
-def _cache_argument(model) -> str:
-    # transformers renamed `past_key_values` to `cache` in forward(); support both spellings.
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-
-
 @torch.inference_mode()
 def sample_completions(model, tokenizer, prompts: Sequence[str], settings: SamplingSettings,
                        keys: Optional[Sequence[Tuple]] = None) -> AgentSamples:
@@ -142,7 +138,7 @@ def sample_completions(model, tokenizer, prompts: Sequence[str], settings: Sampl
     ]).to(device)
 
     # Prefill each prompt once, then share its KV cache among its K samples.
-    cache_argument = _cache_argument(model)
+    cache_argument = lean_cache_argument(model)
     cache = DynamicCache(config=model.config)
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
     rows = prompt_ids.shape[0] * k

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2C
 
 from comlrl import rollout
 from comlrl.models import load_causal_lm, load_tokenizer
-from comlrl.models.lean import lean_decoder_for
+from comlrl.models.lean import cache_argument, lean_decoder_for
 from comlrl.rollout import SamplingSettings, sample_completions
 
 
@@ -32,7 +32,7 @@ def test_lean_steps_match_the_model_forward_with_left_padding(model):
         positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache(config=model.config)
         model(input_ids=prompt, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-              **{rollout._cache_argument(model): cache})
+              **{cache_argument(model): cache})
         buffers = lean.allocate_cache(cache, 5 + 3)
         attend = torch.cat([prompt_mask, torch.ones(2, 3, dtype=torch.long)], 1).bool().view(2, 1, 1, -1)
         full_ids = torch.cat([prompt, continuation], 1)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from comlrl.losses import completion_mask, completion_token_logprobs, group_advantages, policy_gradient_loss
+from comlrl.losses import completion_mask, group_advantages, policy_gradient_loss, shared_prompt_token_logprobs
 from comlrl.models import load_causal_lm
 from comlrl.rollout import TurnBatch, completion_returns, compute_returns, joint_action_indices
 
@@ -50,7 +50,7 @@ def test_padded_batch_logprobs_match_each_sequence_alone(tiny_model_dir):
         prompt_ids[i, width - len(p):] = p
         prompt_mask[i, width - len(p):] = 1
     with torch.no_grad():
-        batched = completion_token_logprobs(model, prompt_ids, prompt_mask, completions, mask)
+        batched = shared_prompt_token_logprobs(model, prompt_ids, prompt_mask, completions, mask, group_size=1)
         for i, p in enumerate(prompts):
             n = int(mask[i].sum())
             full = torch.cat([p, completions[i, :n]]).unsqueeze(0)
@@ -122,3 +122,26 @@ def test_two_turn_returns_apply_the_discount(discount):
     compute_returns([root, child], discount)
     assert child.returns.tolist() == [[0.2, 0.4], [1.0, 3.0]]
     assert root.returns.tolist() == [[1.0 + discount * 0.3, 0.0 + discount * 2.0]]
+
+
+def test_shared_prompt_logprobs_and_gradients_match_k_separate_copies(tiny_model_dir):
+    """One prompt forward shared by its K completions computes the same log-probs and gradients as
+    the prompt repeated K times (left padding included)."""
+    model = load_causal_lm(tiny_model_dir)
+    torch.manual_seed(1)
+    k = 3
+    prompt_ids = torch.randint(0, 256, (2, 6))
+    prompt_mask = torch.ones(2, 6, dtype=torch.long)
+    prompt_mask[0, :2] = 0
+    completions = torch.randint(0, 256, (2 * k, 9))
+    completions[1, 4] = EOS
+    mask = completion_mask(completions, [EOS])
+    shared = shared_prompt_token_logprobs(model, prompt_ids, prompt_mask, completions, mask, group_size=k)
+    copies = shared_prompt_token_logprobs(model, prompt_ids.repeat_interleave(k, 0), prompt_mask.repeat_interleave(k, 0),
+                                          completions, mask, group_size=1)
+    assert torch.allclose(shared * mask, copies * mask, atol=1e-5)
+    params = list(model.parameters())
+    grads_shared = torch.autograd.grad((shared * mask).sum(), params)
+    grads_copies = torch.autograd.grad((copies * mask).sum(), params)
+    for a, b in zip(grads_shared, grads_copies):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)

@@ -155,3 +155,11 @@ def _layer_kv(cache, index: int):
     if layers is not None:
         return layers[index].keys, layers[index].values
     return cache.key_cache[index], cache.value_cache[index]  # older transformers
+
+
+def cache_argument(model) -> str:
+    """Keyword under which this model's forward takes a KV cache (transformers renamed
+    `past_key_values` to `cache`)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"

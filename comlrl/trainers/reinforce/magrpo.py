@@ -34,7 +34,13 @@ from comlrl import checkpoint as ckpt
 from comlrl import faults
 from comlrl.distributed import DistContext
 from comlrl.logging import MetricsSink
-from comlrl.losses import ADVANTAGE_MODES, LOSS_TYPES, completion_token_logprobs, group_advantages, policy_gradient_loss
+from comlrl.losses import (
+    ADVANTAGE_MODES,
+    LOSS_TYPES,
+    group_advantages,
+    policy_gradient_loss,
+    shared_prompt_token_logprobs,
+)
 from comlrl.rollout import (
     JOINT_MODES,
     AgentSamples,
@@ -515,31 +521,32 @@ class MAGRPOTrainer:
                             share: float) -> float:
         """Backward of this rank's part of one minibatch's loss; returns the loss value.
 
-        The rows go through the model in padded chunks of at most `max_forward_tokens` tokens, each
-        chunk's loss weighted by its share of the rows (tokens for token_mean) and back-propagated at
-        once, so the accumulated gradient is that of the whole minibatch while only one chunk's
-        activations are alive at a time."""
+        Nodes go through the model in chunks of about `max_forward_tokens` tokens. Within a chunk each
+        node's prompt is computed once and shared by its K completions (`shared_prompt_token_logprobs`).
+        Each chunk's loss is weighted by its share of the rows (tokens for token_mean) and
+        back-propagated at once, so the accumulated gradient is that of the whole minibatch while only
+        one chunk's activations are alive at a time."""
         a, k = self.args, self.args.num_generations
         if not nodes_local:
             return 0.0
         device = advantages.device
         nodes = torch.tensor(nodes_local, device=device)
         rows = (nodes.unsqueeze(1) * k + torch.arange(k, device=device)).reshape(-1)
-        prompt_rows = nodes.repeat_interleave(k)
         mask = samples.completion_mask[rows]
         trained_tokens = float(mask.sum())
         prompt_width = int(samples.prompt_mask[nodes].any(dim=0).sum())
         budget = a.max_forward_tokens or (512 if device.type == "cpu" else 65536)
-        per_chunk = max(1, budget // (prompt_width + int(mask.sum(dim=1).max())))
+        nodes_per_chunk = max(1, budget // (prompt_width + k * int(mask.sum(dim=1).max())))
         total = 0.0
-        for start in range(0, len(rows), per_chunk):
-            chunk = slice(start, start + per_chunk)
-            prompt_ids, prompt_mask = samples.prompt_ids[prompt_rows[chunk]], samples.prompt_mask[prompt_rows[chunk]]
+        for start in range(0, len(nodes_local), nodes_per_chunk):
+            chunk_nodes = nodes[start:start + nodes_per_chunk]
+            chunk = slice(start * k, (start + len(chunk_nodes)) * k)
+            prompt_ids, prompt_mask = samples.prompt_ids[chunk_nodes], samples.prompt_mask[chunk_nodes]
             first_column = int(prompt_mask.any(dim=0).nonzero()[0])  # drop columns that are padding in every row
             chunk_mask = mask[chunk]
             width = int(chunk_mask.sum(dim=1).max())  # the mask is a prefix: later columns are padding
-            logprobs = completion_token_logprobs(agent, prompt_ids[:, first_column:], prompt_mask[:, first_column:],
-                                                 samples.completion_ids[rows[chunk], :width], chunk_mask[:, :width])
+            logprobs = shared_prompt_token_logprobs(agent, prompt_ids[:, first_column:], prompt_mask[:, first_column:],
+                                                    samples.completion_ids[rows[chunk], :width], chunk_mask[:, :width], k)
             loss = policy_gradient_loss(logprobs, chunk_mask[:, :width], advantages.reshape(-1)[rows[chunk]], a.loss_type)
             weight = (float(chunk_mask.sum()) / max(trained_tokens, 1.0) if a.loss_type == "token_mean"
                       else chunk_mask.shape[0] / len(rows))
