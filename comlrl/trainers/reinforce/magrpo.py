@@ -282,6 +282,7 @@ class MAGRPOTrainer:
         self.updates_done = 0
         self.last_logged_step = -1
         self._stop_signal: Optional[str] = None
+        self._fingerprint_cache: Optional[Dict[str, Optional[str]]] = None
         self._pending_eval: Dict[str, float] = {}
 
     # ============================================================================================
@@ -699,6 +700,9 @@ class MAGRPOTrainer:
         self.dist.barrier()
 
     def _fingerprints(self) -> Dict[str, Optional[str]]:
+        # The setup cannot change while a trainer exists; hash the dataset and friends only once.
+        if self._fingerprint_cache is not None:
+            return dict(self._fingerprint_cache)
         prints: Dict[str, Optional[str]] = {}
         for i, agent in enumerate(self.agents):
             prints[f"model_{i}"] = ckpt.model_fingerprint(getattr(agent, "module", agent))
@@ -706,7 +710,8 @@ class MAGRPOTrainer:
         prints["train_dataset"] = ckpt.dataset_fingerprint(self.train_dataset)
         prints["reward_func"] = ckpt.callable_fingerprint(self.reward_func)
         prints["external_transition"] = ckpt.callable_fingerprint(self.external_transition)
-        return prints
+        self._fingerprint_cache = prints
+        return dict(prints)
 
     def _check_drift(self, state: Dict[str, Any], path: Path) -> None:
         allowed = set(RUN_SHAPE_KEYS) | set(self.args.allow_resume_drift)
