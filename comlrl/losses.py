@@ -8,6 +8,9 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+from transformers import DynamicCache
+
+from comlrl.models.lean import cache_argument
 
 ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
 LOSS_TYPES = ("sum", "token_mean", "seq_mean")
@@ -93,10 +96,6 @@ def shared_prompt_token_logprobs(
     Only the completion positions go through the LM head, and the normaliser is taken with
     `logsumexp`, so no full-vocabulary log-prob tensor is kept for the prompt.
     """
-    from transformers import DynamicCache
-
-    from comlrl.models.lean import cache_argument
-
     prompt_positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     first = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True,

@@ -108,7 +108,7 @@ def draw_tokens(logits: torch.Tensor, uniforms: torch.Tensor, settings: Sampling
 
 @torch.inference_mode()
 def sample_completions(model, tokenizer, prompts: Sequence[str], settings: SamplingSettings,
-                       keys: Optional[Sequence[Tuple]] = None) -> AgentSamples:
+                       keys: Sequence[Tuple]) -> AgentSamples:
     """Sample K completions for every prompt in one batched decode (left padding, KV cache).
 
     Row r = (prompt b, sample k) draws its tokens from uniforms seeded by ``(keys[b], k)``, so the
@@ -131,7 +131,8 @@ def sample_completions(model, tokenizer, prompts: Sequence[str], settings: Sampl
         tokenizer.padding_side = previous_side
     prompt_ids = enc["input_ids"].to(device)
     prompt_mask = enc["attention_mask"].to(device)
-    keys = list(keys) if keys is not None else [("prompt", text) for text in prompts]
+    if len(keys) != len(prompts):
+        raise ValueError(f"sample_completions got {len(keys)} keys for {len(prompts)} prompts; pass one key per prompt.")
     uniforms = torch.stack([
         torch.rand(max_new, generator=torch.Generator().manual_seed(sample_seed((key, j))), dtype=torch.float64)
         for key in keys for j in range(k)

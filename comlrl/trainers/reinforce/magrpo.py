@@ -684,20 +684,22 @@ class MAGRPOTrainer:
                     f"{owner}). Resume that run with resume_from_checkpoint='auto' (or a path), or use an empty "
                     "checkpoint_dir; nothing was overwritten."
                 )
-        if not self.dist.is_main:
-            self.dist.barrier()  # rank 0 prepares the directory
-            return
-        try:
-            checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            for stale in checkpoint_dir.glob(f"{ckpt.TMP_PREFIX}*"):  # left by a process killed mid-write
-                shutil.rmtree(stale, ignore_errors=True)
-            probe = checkpoint_dir / f".write-probe-{uuid.uuid4().hex[:8]}"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as exc:
-            raise PermissionError(f"checkpoint_dir {checkpoint_dir} is not writable ({exc}); choose a writable directory "
-                                  "before training so no work is lost.") from exc
-        self.dist.barrier()
+        problem = None
+        if self.dist.is_main:  # rank 0 prepares the directory
+            try:
+                checkpoint_dir.mkdir(parents=True, exist_ok=True)
+                for stale in checkpoint_dir.glob(f"{ckpt.TMP_PREFIX}*"):  # left by a process killed mid-write
+                    shutil.rmtree(stale, ignore_errors=True)
+                probe = checkpoint_dir / f".write-probe-{uuid.uuid4().hex[:8]}"
+                probe.write_text("")
+                probe.unlink()
+            except OSError as exc:
+                problem = str(exc)
+        # Every rank learns rank 0's verdict, so none waits for a rank that already failed.
+        problem = self.dist.all_gather_object(problem)[0]
+        if problem is not None:
+            raise PermissionError(f"checkpoint_dir {checkpoint_dir} is not writable ({problem}); choose a writable "
+                                  "directory before training so no work is lost.")
 
     def _fingerprints(self) -> Dict[str, Optional[str]]:
         # The setup cannot change while a trainer exists; hash the dataset and friends only once.
