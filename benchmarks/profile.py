@@ -230,6 +230,7 @@ def parse_args(argv=None):
     p.add_argument("--cprofile", action="store_true", help="also the top functions via cProfile")
     p.add_argument("--top", type=int, default=25, help="rows of the cProfile listing")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--mixed-precision", default=None, help="ours only: MAGRPOConfig.mixed_precision")
     return p.parse_args(argv)
 
 
@@ -252,6 +253,7 @@ def main(argv=None) -> int:
         threads=1,
         expect_library=None,
         reward_func=timed_reward,
+        mixed_precision=args.mixed_precision,
     )
     trainer, _config, info = workload.setup(wl_args)
     patched = install(timer, trainer)

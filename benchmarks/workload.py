@@ -170,6 +170,12 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--json-out", default=None, help="also write the result JSON here")
     p.add_argument(
+        "--mixed-precision",
+        default=None,
+        help="ours only: MAGRPOConfig.mixed_precision ('no', 'bf16', 'auto'); CoMLRL 1.4.3 has no such "
+        "setting and always computes in the model's dtype (fp32 here)",
+    )
+    p.add_argument(
         "--expect-library",
         choices=["ours", "reference"],
         default=None,
@@ -233,6 +239,11 @@ def setup(args):
         config_params = {}
     if "seed" in config_params:
         config_kwargs["seed"] = args.seed
+    mixed_precision = getattr(args, "mixed_precision", None)
+    if mixed_precision is not None:
+        if "mixed_precision" not in config_params:
+            raise SystemExit(f"--mixed-precision {mixed_precision}: this library ({library}) has no such setting")
+        config_kwargs["mixed_precision"] = mixed_precision
     config = MAGRPOConfig(**config_kwargs)
 
     trainer = MAGRPOTrainer(
@@ -248,6 +259,7 @@ def setup(args):
         "comlrl_version": version,
         "comlrl_file": os.path.realpath(comlrl.__file__),
         "seed_passed_to_config": "seed" in config_kwargs,
+        "mixed_precision": config_kwargs.get("mixed_precision"),
         "setup_s": time.perf_counter() - setup_t0,
     }
     return trainer, config, info

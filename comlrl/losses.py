@@ -15,6 +15,23 @@ from comlrl.models.lean import cache_argument
 ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
 LOSS_TYPES = ("sum", "token_mean", "seq_mean")
 
+def bucketed_width(width: int, limit: int, coarse: bool = False) -> int:
+    """The width (tokens) a batch of sequences is padded to, at most `limit`; the masks hide the
+    padding. Widths are rounded up to a multiple of 8, or with `coarse` to the next of 8, 12, 16,
+    24, 32, 48, 64, 96, ... (two steps per doubling: at most half again as wide).
+
+    Coarse buckets are for bf16 on the CPU, whose matmul kernels are generated and cached per
+    shape (~1 MB each): with fine widths a run makes hundreds of shapes, each a fresh kernel build,
+    and its memory grows with them (L benchmark: 650 shapes and 1.1 GB unbucketed, 120 and 0.7 GB
+    coarse). fp32 CPU and GPU kernels have no such per-shape cost, so they get the fine buckets.
+    """
+    if not coarse:
+        return min(limit, -(-width // 8) * 8)
+    if width <= 8:
+        return min(limit, 8)
+    power = 1 << (width - 1).bit_length()
+    return min(limit, power * 3 // 4 if width <= power * 3 // 4 else power)
+
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: Iterable[int]) -> torch.Tensor:
     """Which completion tokens are trained: everything up to and including the first EOS.

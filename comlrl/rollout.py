@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
-from comlrl.losses import completion_mask
+from comlrl.losses import bucketed_width, completion_mask
 from comlrl.models.lean import cache_argument as lean_cache_argument
 from comlrl.models.lean import lean_decoder_for
+from comlrl.precision import autocast
 
 JOINT_MODES = ("aligned", "cross")
 
@@ -69,15 +71,21 @@ def sample_seed(key: Tuple) -> int:
     return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") & (2**63 - 1)
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Temperature, then nucleus (top-p) filtering, as transformers' warpers apply them."""
+def filter_logits(logits: torch.Tensor, temperature: float, top_p: float, ascending: bool = False) -> torch.Tensor:
+    """Temperature, then nucleus (top-p) filtering, as transformers' warpers apply them.
+    `ascending`: each row is already sorted ascending (after top-k), so no sort is needed."""
     logits = logits / temperature
     if top_p < 1.0:
-        ascending, order = torch.sort(logits, dim=-1)
-        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative <= 1.0 - top_p
-        drop_sorted[:, -1] = False  # the most likely token always survives
-        drop = drop_sorted.scatter(1, order, drop_sorted)
+        order = None
+        if not ascending:
+            logits_sorted, order = torch.sort(logits, dim=-1)
+        else:
+            logits_sorted = logits
+        cumulative = logits_sorted.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1.0 - top_p
+        drop[:, -1] = False  # the most likely token always survives
+        if order is not None:
+            drop = drop.scatter(1, order, drop)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
@@ -97,7 +105,7 @@ def draw_tokens(logits: torch.Tensor, uniforms: torch.Tensor, settings: Sampling
         logits, candidates = torch.topk(logits, top_k, dim=-1)  # sorted, best first
         logits = logits.flip(-1)
         candidates = candidates.flip(-1)
-    logits = filter_logits(logits, settings.temperature, settings.top_p)
+    logits = filter_logits(logits, settings.temperature, settings.top_p, ascending=bool(top_k))
     cdf = logits.softmax(dim=-1).cumsum(dim=-1)
     targets = uniforms.unsqueeze(-1) * cdf[:, -1:]
     picked = torch.searchsorted(cdf, targets, right=True).clamp_(max=logits.shape[-1] - 1)
@@ -108,13 +116,14 @@ def draw_tokens(logits: torch.Tensor, uniforms: torch.Tensor, settings: Sampling
 
 @torch.inference_mode()
 def sample_completions(model, tokenizer, prompts: Sequence[str], settings: SamplingSettings,
-                       keys: Sequence[Tuple]) -> AgentSamples:
+                       keys: Sequence[Tuple], compute_dtype: Optional[torch.dtype] = None) -> AgentSamples:
     """Sample K completions for every prompt in one batched decode (left padding, KV cache).
 
     Row r = (prompt b, sample k) draws its tokens from uniforms seeded by ``(keys[b], k)``, so the
     completions are a pure function of the weights, the prompts and their keys: the same whether
     a prompt is sampled alone, in a bigger batch, on another data-parallel rank, or after a resume.
     Sampling follows `generate`'s semantics: temperature -> top-k -> top-p, stop at EOS, pad after.
+    With `compute_dtype` (mixed precision) the model's products run in that dtype (autocast).
     """
     device = next(model.parameters()).device
     if not prompts:  # a data-parallel rank whose shard of this turn is empty
@@ -129,8 +138,11 @@ def sample_completions(model, tokenizer, prompts: Sequence[str], settings: Sampl
         enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
     finally:
         tokenizer.padding_side = previous_side
-    prompt_ids = enc["input_ids"].to(device)
-    prompt_mask = enc["attention_mask"].to(device)
+    # Extra left padding puts the prefill on a few bucketed shapes (see `bucketed_width`).
+    width = enc["input_ids"].shape[1]
+    extra = bucketed_width(width, 2 * width, coarse=compute_dtype is not None and device.type == "cpu") - width
+    prompt_ids = F.pad(enc["input_ids"], (extra, 0), value=pad_id).to(device)
+    prompt_mask = F.pad(enc["attention_mask"], (extra, 0), value=0).to(device)
     if len(keys) != len(prompts):
         raise ValueError(f"sample_completions got {len(keys)} keys for {len(prompts)} prompts; pass one key per prompt.")
     uniforms = torch.stack([
@@ -152,14 +164,17 @@ def sample_completions(model, tokenizer, prompts: Sequence[str], settings: Sampl
     was_training = model.training
     model.eval()
     try:
-        logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-                       logits_to_keep=1, **{cache_argument: cache}).logits[:, -1, :].float().repeat_interleave(k, dim=0)
+        with autocast(device, compute_dtype):
+            logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
+                           logits_to_keep=1, **{cache_argument: cache}).logits[:, -1, :].float()
+        logits = logits.repeat_interleave(k, dim=0)
         cache.batch_repeat_interleave(k)
         positions = positions[:, -1:].repeat_interleave(k, dim=0)
-        lean = lean_decoder_for(model)
+        lean = lean_decoder_for(model, compute_dtype)
         if lean is not None:
             lean_cache = lean.allocate_cache(cache, width + max_new)
             attend = attention.bool().view(rows, 1, 1, -1)
+            cos, sin = lean.rotary_table(positions + torch.arange(1, max_new + 1, device=device))
         steps = 0
         for t in range(max_new):
             tokens = draw_tokens(logits, uniforms[:, t].to(logits.dtype), settings)
@@ -171,11 +186,12 @@ def sample_completions(model, tokenizer, prompts: Sequence[str], settings: Sampl
                 break
             positions = positions + 1
             if lean is not None:
-                logits = lean.step(tokens, positions, lean_cache, width + t, attend).float()
+                logits = lean.step(tokens, (cos[:, t], sin[:, t]), lean_cache, width + t, attend).float()
             else:
-                logits = model(input_ids=tokens.unsqueeze(1), attention_mask=attention[:, : width + t + 1],
-                               position_ids=positions, use_cache=True, logits_to_keep=1,
-                               **{cache_argument: cache}).logits[:, -1, :].float()
+                with autocast(device, compute_dtype):
+                    logits = model(input_ids=tokens.unsqueeze(1), attention_mask=attention[:, : width + t + 1],
+                                   position_ids=positions, use_cache=True, logits_to_keep=1,
+                                   **{cache_argument: cache}).logits[:, -1, :].float()
     finally:
         model.train(was_training)
     completion_ids = generated[:, :steps]

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2C
 from comlrl import rollout
 from comlrl.models import load_causal_lm, load_tokenizer
 from comlrl.models.lean import cache_argument, lean_decoder_for
+from comlrl.precision import autocast
 from comlrl.rollout import SamplingSettings, sample_completions
 
 
@@ -20,28 +21,52 @@ def tiny(config_cls, **extra):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize("model", [tiny(Qwen2Config), tiny(LlamaConfig), tiny(LlamaConfig, num_key_value_heads=4)],
-                         ids=["qwen2-gqa", "llama-gqa", "llama-mha"])
-def test_lean_steps_match_the_model_forward_with_left_padding(model):
+MODELS = [tiny(Qwen2Config), tiny(LlamaConfig), tiny(LlamaConfig, num_key_value_heads=4)]
+MODEL_IDS = ["qwen2-gqa", "llama-gqa", "llama-mha"]
+
+
+def _lean_and_reference_logits(model, compute_dtype=None):
+    """(lean logits, model logits) of a 3-token continuation of a left-padded 2-row batch, the
+    model's forward run under autocast to `compute_dtype` as the trainer runs it."""
     prompt = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])  # row 0 left-padded
     prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     continuation = torch.tensor([[11, 12, 13], [21, 22, 23]])
-    lean = lean_decoder_for(model)
+    lean = lean_decoder_for(model, compute_dtype)
     assert lean is not None
-    with torch.no_grad():
+    with torch.no_grad(), autocast(torch.device("cpu"), compute_dtype):
         positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache(config=model.config)
         model(input_ids=prompt, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
               **{cache_argument(model): cache})
-        buffers = lean.allocate_cache(cache, 5 + 3)
-        attend = torch.cat([prompt_mask, torch.ones(2, 3, dtype=torch.long)], 1).bool().view(2, 1, 1, -1)
         full_ids = torch.cat([prompt, continuation], 1)
         full_mask = torch.cat([prompt_mask, torch.ones(2, 3, dtype=torch.long)], 1)
         full_positions = (full_mask.cumsum(1) - 1).clamp(min=0)
-        reference = model(input_ids=full_ids, attention_mask=full_mask, position_ids=full_positions).logits
-        for t in range(3):
-            logits = lean.step(continuation[:, t], full_positions[:, 5 + t:6 + t], buffers, 5 + t, attend)
-            assert torch.allclose(logits, reference[:, 5 + t], atol=1e-5, rtol=1e-5)
+        reference = model(input_ids=full_ids, attention_mask=full_mask, position_ids=full_positions).logits[:, 5:]
+    with torch.no_grad():
+        buffers = lean.allocate_cache(cache, 5 + 3)
+        attend = full_mask.bool().view(2, 1, 1, -1)
+        cos, sin = lean.rotary_table(full_positions[:, 5:])
+        steps = [lean.step(continuation[:, t], (cos[:, t], sin[:, t]), buffers, 5 + t, attend) for t in range(3)]
+    return torch.stack(steps, dim=1).float(), reference.float()
+
+
+@pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
+def test_lean_steps_match_the_model_forward_with_left_padding(model):
+    lean, reference = _lean_and_reference_logits(model)
+    assert torch.allclose(lean, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
+def test_lean_bf16_steps_match_the_autocast_forward(model):
+    """Mixed precision: bf16 projections, fp32 attention. The model under autocast runs its
+    attention in bf16 too, so they agree to bf16 rounding, not bitwise; both must stay far closer to
+    each other than to the fp32 logits' own scale of change."""
+    lean, reference = _lean_and_reference_logits(model, torch.bfloat16)
+    exact, _ = _lean_and_reference_logits(model)
+    scale = exact.abs().max()
+    assert (lean - reference).abs().max() <= 0.02 * scale
+    assert (lean - exact).abs().max() <= 0.02 * scale
+    assert not torch.equal(lean, exact)  # the bf16 path really ran in bf16
 
 
 def test_lean_and_model_forward_sample_the_same_tokens(tiny_model_dir, monkeypatch):
@@ -49,7 +74,7 @@ def test_lean_and_model_forward_sample_the_same_tokens(tiny_model_dir, monkeypat
     settings = SamplingSettings(num_generations=4, max_new_tokens=32, temperature=0.8, top_p=0.9, top_k=50)
     prompts = ["Hi:", "Design a playground on Mars:"]
     lean = sample_completions(model, tok, prompts, settings, keys=[("x",), ("y",)])
-    monkeypatch.setattr(rollout, "lean_decoder_for", lambda model: None)
+    monkeypatch.setattr(rollout, "lean_decoder_for", lambda model, compute_dtype=None: None)
     plain = sample_completions(model, tok, prompts, settings, keys=[("x",), ("y",)])
     assert torch.equal(lean.completion_ids, plain.completion_ids)
 
