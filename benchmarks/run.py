@@ -50,7 +50,16 @@ REF_TORCH = "torch==2.13.0"
 TABLE_START = "<!-- bench:table:start -->"
 TABLE_END = "<!-- bench:table:end -->"
 
-LIBS = {"ours": "ours", "reference": f"CoMLRL {REF_VERSION}"}
+# What is measured: our library in fp32 (the same arithmetic as CoMLRL), our library with bf16
+# matrix products (`MAGRPOConfig(mixed_precision="bf16")`: weights, gradients and AdamW state stay
+# fp32; CoMLRL has no such setting), and CoMLRL 1.4.3.
+LIBS = {"ours": "ours", "ours-bf16": "ours, bf16", "reference": f"CoMLRL {REF_VERSION}"}
+MIXED_PRECISION = {"ours": "no", "ours-bf16": "bf16"}
+
+
+def _library(side: str) -> str:
+    """The library a side runs: "ours" or "reference"."""
+    return "reference" if side == "reference" else "ours"
 
 
 def ours_python() -> str:
@@ -161,13 +170,13 @@ def _clean_env() -> dict:
 
 def _env_for(lib: str) -> dict:
     env = _clean_env()
-    if lib == "ours":
+    if _library(lib) == "ours":
         env["PYTHONPATH"] = str(REPO)
     return env
 
 
 def _interpreter(lib: str) -> str:
-    return ours_python() if lib == "ours" else str(REF_PY)
+    return ours_python() if _library(lib) == "ours" else str(REF_PY)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -189,12 +198,14 @@ def run_once(lib: str, wl: Workload, mdir: Path, seed: int, log_dir: Path, idx: 
             "--epochs", str(wl.epochs),
             "--max-new-tokens", str(wl.max_new_tokens),
             "--seed", str(seed),
-            "--expect-library", lib,
+            "--expect-library", _library(lib),
             "--json-out", str(out_json),
         ]
+        if lib in MIXED_PRECISION:
+            cmd += ["--mixed-precision", MIXED_PRECISION[lib]]
         # Ours runs from the repo root with PYTHONPATH=repo; the reference runs from a temp dir
         # with no PYTHONPATH so nothing of this checkout can shadow the PyPI `comlrl`.
-        cwd = str(REPO) if lib == "ours" else tmp
+        cwd = str(REPO) if _library(lib) == "ours" else tmp
         log_path = log_dir / f"{wl.name}-{lib}-{idx}.log"
         with open(log_path, "w", encoding="utf-8") as log:
             proc = subprocess.run(
@@ -207,7 +218,7 @@ def run_once(lib: str, wl: Workload, mdir: Path, seed: int, log_dir: Path, idx: 
             )
         result = json.loads(out_json.read_text())
     comlrl_file = Path(result["comlrl_file"])
-    expected_root = REPO / "comlrl" if lib == "ours" else REF_VENV
+    expected_root = REPO / "comlrl" if _library(lib) == "ours" else REF_VENV
     if expected_root.resolve() not in comlrl_file.resolve().parents:
         raise SystemExit(f"[bench] {lib} imported comlrl from {comlrl_file}, not {expected_root}")
     return result
@@ -251,14 +262,15 @@ def run_workload(wl: Workload, libs: list[str], repeats: int, seed: int, log_dir
     entry = {"workload": asdict(wl), "description": wl.describe()}
     for lib in libs:
         entry[lib] = summarise(runs[lib])
-    if "ours" in entry and "reference" in entry:
-        entry["ratio_reference_over_ours"] = (
-            entry["reference"]["median_train_s"] / entry["ours"]["median_train_s"]
-        )
-        if entry["ours"]["median_train_cpu_s"] and entry["reference"]["median_train_cpu_s"]:
-            entry["cpu_ratio_reference_over_ours"] = (
-                entry["reference"]["median_train_cpu_s"] / entry["ours"]["median_train_cpu_s"]
+    for side in ("ours", "ours-bf16"):
+        if side in entry and "reference" in entry:
+            entry[f"ratio_reference_over_{side}"] = (
+                entry["reference"]["median_train_s"] / entry[side]["median_train_s"]
             )
+            if entry[side]["median_train_cpu_s"] and entry["reference"]["median_train_cpu_s"]:
+                entry[f"cpu_ratio_reference_over_{side}"] = (
+                    entry["reference"]["median_train_cpu_s"] / entry[side]["median_train_cpu_s"]
+                )
     return entry
 
 
@@ -288,7 +300,7 @@ def loadavg() -> list[float]:
 def machine_info(results: dict) -> dict:
     versions = {}
     for entry in results.values():
-        for lib in LIBS:
+        for lib in ("ours", "reference"):
             if lib in entry:
                 versions.setdefault(lib, {"torch": entry[lib]["torch"],
                                           "transformers": entry[lib]["transformers"]})
@@ -322,23 +334,28 @@ def _fmt_rss(summary: dict | None) -> str:
 
 
 def markdown_table(results: dict) -> str:
+    """One row per workload and measured side of ours (fp32; bf16 products), each against CoMLRL."""
     ref = LIBS["reference"]
     lines = [
-        f"| workload | setting | ours (s) | {ref} (s) | {ref} / ours | "
+        f"| workload | setting | ours | ours (s) | {ref} (s) | {ref} / ours | "
         f"ours CPU (s) | {ref} CPU (s) | CPU ratio | "
         f"ours peak RSS (MB) | {ref} peak RSS (MB) | runs |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, entry in results.items():
-        ours, refs = entry.get("ours"), entry.get("reference")
-        runs = "/".join(str(s["n"]) for s in (ours, refs) if s is not None)
-        lines.append(
-            f"| {name} | {entry['description']} | {_fmt_s(ours)} | {_fmt_s(refs)} | "
-            f"{_fmt_ratio(entry.get('ratio_reference_over_ours'))} | "
-            f"{_fmt_cpu(ours)} | {_fmt_cpu(refs)} | "
-            f"{_fmt_ratio(entry.get('cpu_ratio_reference_over_ours'))} | "
-            f"{_fmt_rss(ours)} | {_fmt_rss(refs)} | {runs} |"
-        )
+        refs = entry.get("reference")
+        sides = [side for side in ("ours", "ours-bf16") if side in entry] or [None]
+        for side in sides:
+            ours = entry.get(side) if side else None
+            runs = "/".join(str(s["n"]) for s in (ours, refs) if s is not None)
+            precision = {"ours": "fp32", "ours-bf16": "bf16 products", None: "–"}[side]
+            lines.append(
+                f"| {name} | {entry['description']} | {precision} | {_fmt_s(ours)} | {_fmt_s(refs)} | "
+                f"{_fmt_ratio(entry.get(f'ratio_reference_over_{side}'))} | "
+                f"{_fmt_cpu(ours)} | {_fmt_cpu(refs)} | "
+                f"{_fmt_ratio(entry.get(f'cpu_ratio_reference_over_{side}'))} | "
+                f"{_fmt_rss(ours)} | {_fmt_rss(refs)} | {runs} |"
+            )
     return "\n".join(lines)
 
 
@@ -383,8 +400,9 @@ def parse_args(argv=None):
         "--workloads", default=",".join(WORKLOADS), help=f"comma list of {list(WORKLOADS)}"
     )
     p.add_argument(
-        "--only", choices=["ours", "reference"], default=None, help="measure one library only"
+        "--only", choices=list(LIBS), default=None, help="measure one side only"
     )
+    p.add_argument("--no-bf16", action="store_true", help="skip the bf16 side of ours")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--smoke",
@@ -421,7 +439,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
         workloads = [WORKLOADS[n] for n in names]
         repeats = args.repeats
-        libs = ["ours", "reference"]
+        libs = ["ours", "reference"] if args.no_bf16 else ["ours", "ours-bf16", "reference"]
     if args.only:
         libs = [args.only]
 
