@@ -25,13 +25,13 @@ MODELS = [tiny(Qwen2Config), tiny(LlamaConfig), tiny(LlamaConfig, num_key_value_
 MODEL_IDS = ["qwen2-gqa", "llama-gqa", "llama-mha"]
 
 
-def _lean_and_reference_logits(model, compute_dtype=None):
+def _lean_and_reference_logits(model, compute_dtype=None, attention_dtype=None):
     """(lean logits, model logits) of a 3-token continuation of a left-padded 2-row batch, the
     model's forward run under autocast to `compute_dtype` as the trainer runs it."""
     prompt = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])  # row 0 left-padded
     prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     continuation = torch.tensor([[11, 12, 13], [21, 22, 23]])
-    lean = lean_decoder_for(model, compute_dtype)
+    lean = lean_decoder_for(model, compute_dtype, attention_dtype)
     assert lean is not None
     with torch.no_grad(), autocast(torch.device("cpu"), compute_dtype):
         positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
@@ -56,12 +56,13 @@ def test_lean_steps_match_the_model_forward_with_left_padding(model):
     assert torch.allclose(lean, reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("attention_dtype", [None, torch.bfloat16], ids=["cpu-attention-fp32", "gpu-attention-bf16"])
 @pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
-def test_lean_bf16_steps_match_the_autocast_forward(model):
-    """Mixed precision: bf16 projections, fp32 attention. The model under autocast runs its
-    attention in bf16 too, so they agree to bf16 rounding, not bitwise; both must stay far closer to
-    each other than to the fp32 logits' own scale of change."""
-    lean, reference = _lean_and_reference_logits(model, torch.bfloat16)
+def test_lean_bf16_steps_match_the_autocast_forward(model, attention_dtype):
+    """Mixed precision: bf16 projections; attention and KV cache in fp32 (the CPU's choice) or bf16
+    (the GPU's). The model under autocast rounds differently, so they agree to bf16 rounding, not
+    bitwise: within 2% of the logits' scale of each other and of the fp32 logits."""
+    lean, reference = _lean_and_reference_logits(model, torch.bfloat16, attention_dtype)
     exact, _ = _lean_and_reference_logits(model)
     scale = exact.abs().max()
     assert (lean - reference).abs().max() <= 0.02 * scale

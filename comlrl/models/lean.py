@@ -9,9 +9,10 @@ path computes the same function (checked against it in the tests) and is used on
 architectures it knows, falling back to the model's forward otherwise.
 
 With a `compute_dtype` (mixed precision), the projections run on bf16 copies of the weights, as
-autocast would run them, while norms, rotary embeddings, the KV cache and attention stay in the
-model's dtype: at decode shapes the CPU's bf16 attention kernels are slower than fp32 ones
-(measured 490 us vs 80 us for 16 rows x 90 cached tokens), and the products are where bf16 pays.
+autocast would run them, while norms and rotary embeddings stay in the model's dtype. The KV cache
+and attention run in bf16 on GPUs (half the cache traffic) but stay in the model's dtype on the
+CPU, whose bf16 attention kernels are slower than its fp32 ones at decode shapes (measured 490 us
+vs 80 us for 16 rows x 90 cached tokens).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class _Layer:
     eps: float
 
 
-def lean_decoder_for(model, compute_dtype: Optional[torch.dtype] = None) -> Optional["LeanDecoder"]:
+def lean_decoder_for(model, compute_dtype: Optional[torch.dtype] = None,
+                     attention_dtype: Optional[torch.dtype] = None) -> Optional["LeanDecoder"]:
     """A LeanDecoder for `model`, or None when its architecture is not one this path reproduces."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
@@ -53,18 +55,21 @@ def lean_decoder_for(model, compute_dtype: Optional[torch.dtype] = None) -> Opti
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         return None
-    return LeanDecoder(model, compute_dtype)
+    return LeanDecoder(model, compute_dtype, attention_dtype)
 
 
 class LeanDecoder:
     """Decode one token per row against a preallocated KV cache. Build one per sampling call: it
     snapshots (fused copies of) the current weights, cast to `compute_dtype` when one is given."""
 
-    def __init__(self, model, compute_dtype: Optional[torch.dtype] = None):
+    def __init__(self, model, compute_dtype: Optional[torch.dtype] = None,
+                 attention_dtype: Optional[torch.dtype] = None):
         inner = model.model
         config = model.config
-        self.dtype = inner.embed_tokens.weight.dtype  # residual stream, norms, cache and attention
+        self.dtype = inner.embed_tokens.weight.dtype  # residual stream and norms
         self.compute_dtype = compute_dtype or self.dtype  # the projections
+        on_cpu = inner.embed_tokens.weight.device.type == "cpu"
+        self.attention_dtype = attention_dtype or (self.dtype if on_cpu else self.compute_dtype)  # cache, attention
 
         def cast(weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if weight is None else weight.to(self.compute_dtype)
@@ -103,8 +108,8 @@ class LeanDecoder:
         for index in range(len(self.layers)):
             k, v = _layer_kv(prefill_cache, index)
             rows, heads, length, dim = k.shape
-            k_buf = k.new_empty(rows, heads, total_length, dim, dtype=self.dtype)
-            v_buf = v.new_empty(rows, heads, total_length, dim, dtype=self.dtype)
+            k_buf = k.new_empty(rows, heads, total_length, dim, dtype=self.attention_dtype)
+            v_buf = v.new_empty(rows, heads, total_length, dim, dtype=self.attention_dtype)
             k_buf[:, :, :length] = k
             v_buf[:, :, :length] = v
             keys.append(k_buf)
@@ -136,7 +141,7 @@ class LeanDecoder:
             q = q.view(rows, 1, self.num_heads, self.head_dim).transpose(1, 2)
             k = k.view(rows, 1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             v = v.view(rows, 1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)  # back in the model's dtype (cos/sin are)
+            q, k = _rope(q, cos, sin).to(self.attention_dtype), _rope(k, cos, sin)  # rope computes in cos/sin's dtype
             keys[index][:, :, length:length + 1] = k
             values[index][:, :, length:length + 1] = v
             attended = F.scaled_dot_product_attention(
