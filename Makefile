@@ -2,7 +2,7 @@
 #   make install                        create .venv and install comlrl (editable) with dev + launcher extras
 #   make train [ARGS="k=v ..."]         one run: python experiments/main.py $(ARGS)
 #   make resume RUN=outputs/... [EPOCHS=N] [ARGS="k=v ..."]
-#   make sweep | plot RUN=... | sync RUN=... | bench | test | clean | distclean
+#   make sweep | plot RUN=... | sync RUN=... | bench | bench-shape | test | clean | distclean
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -34,7 +34,7 @@ LAUNCH = COMLRL_RUN_STAMP=$${COMLRL_RUN_STAMP:-$$(date +%Y-%m-%d_%H-%M-%S)_$$(od
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 endif
 
-.PHONY: help install train resume sweep plot sync bench test clean distclean
+.PHONY: help install train resume sweep plot sync bench bench-shape test clean distclean
 
 help: ## list the targets
 	@echo "comlrl — cooperative multi-LLM RL (MAGRPO) experiments"
@@ -72,7 +72,10 @@ sync: install ## upload RUN's W&B offline segments, oldest first (ARGS=--dry-run
 	$(PY) -m comlrl.wandb_offline "$(RUN)/wandb" --sync $(ARGS)
 
 bench: install ## speed against CoMLRL 1.4.3; updates the README's Performance section
-	$(PY) benchmarks/run.py --update-readme
+	$(PY) benchmarks/run.py --update-readme $(ARGS)
+
+bench-shape: install ## tokens/s of sampling and update at a real model's shape (random init; ARGS="--shape qwen2.5-1.5b")
+	$(PY) benchmarks/throughput.py $(ARGS)
 
 test: install ## the test suite (CPU, offline)
 	$(TEST_ENV) $(PY) -m pytest -q $(ARGS)
