@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from comlrl.losses import bucketed_width, completion_mask
 from comlrl.models.lean import cache_argument as lean_cache_argument
-from comlrl.models.lean import lean_decoder_for
+from comlrl.models.lean import StackedLeanDecoder, fusion_signature, lean_decoder_for
 from comlrl.precision import autocast
 
 JOINT_MODES = ("aligned", "cross")
@@ -114,6 +114,98 @@ def draw_tokens(logits: torch.Tensor, uniforms: torch.Tensor, settings: Sampling
     return picked.squeeze(-1)
 
 
+@dataclass
+class _Prefilled:
+    """One agent's batch after its prompts' prefill: the state its decode steps start from."""
+
+    prompts: List[str]
+    prompt_ids: torch.Tensor  # (B, W) left-padded
+    prompt_mask: torch.Tensor  # (B, W)
+    cache: Any  # transformers cache, each prompt's entries repeated for its K rows
+    logits: torch.Tensor  # (B*K, vocab) for the first completion token
+    positions: torch.Tensor  # (B*K, 1) position of the last prompt token
+    uniforms: torch.Tensor  # (B*K, max_new) one pre-drawn uniform per row and step
+    eos_ids: List[int]
+    pad_id: int
+
+
+def _encode_prompts(tokenizer, prompts: Sequence[str], pad_id: int, coarse: bool):
+    """Left-padded (ids, mask) on a bucketed width (see `bucketed_width`)."""
+    previous_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
+    finally:
+        tokenizer.padding_side = previous_side
+    natural = enc["input_ids"].shape[1]
+    extra = bucketed_width(natural, 2 * natural, coarse=coarse) - natural
+    return F.pad(enc["input_ids"], (extra, 0), value=pad_id), F.pad(enc["attention_mask"], (extra, 0), value=0)
+
+
+def _prefill(model, prompts, prompt_ids, prompt_mask, settings: SamplingSettings, keys, eos_ids, pad_id,
+             compute_dtype) -> _Prefilled:
+    """Run each prompt through the model once; its KV cache is then shared by its K samples."""
+    device = prompt_ids.device
+    k, max_new = settings.num_generations, settings.max_new_tokens
+    if len(keys) != len(prompts):
+        raise ValueError(f"sample_completions got {len(keys)} keys for {len(prompts)} prompts; pass one key per prompt.")
+    uniforms = torch.stack([
+        torch.rand(max_new, generator=torch.Generator().manual_seed(sample_seed((key, j))), dtype=torch.float64)
+        for key in keys for j in range(k)
+    ]).to(device)
+    cache = DynamicCache(config=model.config)
+    positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+    with autocast(device, compute_dtype):
+        logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
+                       logits_to_keep=1, **{lean_cache_argument(model): cache}).logits[:, -1, :].float()
+    cache.batch_repeat_interleave(k)
+    return _Prefilled(list(prompts), prompt_ids, prompt_mask, cache, logits.repeat_interleave(k, dim=0),
+                      positions[:, -1:].repeat_interleave(k, dim=0), uniforms, eos_ids, pad_id)
+
+
+def _finish(tokenizer, state: _Prefilled, generated: torch.Tensor) -> AgentSamples:
+    """AgentSamples from one agent's generated columns, cut after its longest completion."""
+    mask = completion_mask(generated, state.eos_ids)
+    lengths = mask.sum(dim=1)
+    steps = max(1, int(lengths.max()))  # the columns this agent's own decode would have run
+    completion_ids, mask = generated[:, :steps], mask[:, :steps]
+    texts = tokenizer.batch_decode(
+        [row[: int(n)] for row, n in zip(completion_ids.tolist(), lengths.tolist())], skip_special_tokens=True)
+    return AgentSamples(state.prompts, state.prompt_ids, state.prompt_mask, completion_ids, mask, texts)
+
+
+@torch.inference_mode()
+def sample_agents(models: Sequence, tokenizers: Sequence, prompts: Sequence[Sequence[str]], settings: SamplingSettings,
+                  keys: Sequence[Sequence[Tuple]], compute_dtypes: Sequence[Optional[torch.dtype]],
+                  fuse: bool = True) -> List[AgentSamples]:
+    """Every agent's K completions for its prompts (one list per agent, same length), batched.
+
+    Agents that share an architecture (every shape, dtype and rotary setting), a device, a precision
+    and EOS/pad ids decode together as one batch (`StackedLeanDecoder`); any others are sampled one
+    by one. Either way each row computes the same tokens: fusing changes how many calls a decode
+    step makes, not what a row samples (see `sample_completions` for the sampling contract).
+    """
+    count = len(models)
+    leans = [lean_decoder_for(m, d) if p else None for m, d, p in zip(models, compute_dtypes, prompts)]
+    groups: Dict[Any, List[int]] = {}
+    for i in range(count):
+        if fuse and leans[i] is not None:
+            eos_ids = _eos_ids(tokenizers[i], models[i])
+            pad_id = tokenizers[i].pad_token_id if tokenizers[i].pad_token_id is not None else eos_ids[0]
+            signature = (fusion_signature(leans[i]), len(prompts[i]), tuple(eos_ids), pad_id)
+        else:
+            signature = ("alone", i)
+        groups.setdefault(signature, []).append(i)
+    results: List[Optional[AgentSamples]] = [None] * count
+    for members in groups.values():
+        samples = _sample_group([models[i] for i in members], [tokenizers[i] for i in members],
+                                [prompts[i] for i in members], settings, [keys[i] for i in members],
+                                compute_dtypes[members[0]], [leans[i] for i in members])
+        for i, agent_samples in zip(members, samples):
+            results[i] = agent_samples
+    return results
+
+
 @torch.inference_mode()
 def sample_completions(model, tokenizer, prompts: Sequence[str], settings: SamplingSettings,
                        keys: Sequence[Tuple], compute_dtype: Optional[torch.dtype] = None) -> AgentSamples:
@@ -125,82 +217,82 @@ def sample_completions(model, tokenizer, prompts: Sequence[str], settings: Sampl
     Sampling follows `generate`'s semantics: temperature -> top-k -> top-p, stop at EOS, pad after.
     With `compute_dtype` (mixed precision) the model's products run in that dtype (autocast).
     """
-    device = next(model.parameters()).device
-    if not prompts:  # a data-parallel rank whose shard of this turn is empty
-        empty = torch.zeros(0, 0, dtype=torch.long, device=device)
-        return AgentSamples([], empty, empty, empty, empty.bool(), [])
-    k, max_new = settings.num_generations, settings.max_new_tokens
-    eos_ids = _eos_ids(tokenizer, model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    previous_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
-    finally:
-        tokenizer.padding_side = previous_side
-    # Extra left padding puts the prefill on a few bucketed shapes (see `bucketed_width`).
-    width = enc["input_ids"].shape[1]
-    extra = bucketed_width(width, 2 * width, coarse=compute_dtype is not None and device.type == "cpu") - width
-    prompt_ids = F.pad(enc["input_ids"], (extra, 0), value=pad_id).to(device)
-    prompt_mask = F.pad(enc["attention_mask"], (extra, 0), value=0).to(device)
-    if len(keys) != len(prompts):
-        raise ValueError(f"sample_completions got {len(keys)} keys for {len(prompts)} prompts; pass one key per prompt.")
-    uniforms = torch.stack([
-        torch.rand(max_new, generator=torch.Generator().manual_seed(sample_seed((key, j))), dtype=torch.float64)
-        for key in keys for j in range(k)
-    ]).to(device)
+    lean = lean_decoder_for(model, compute_dtype) if prompts else None
+    return _sample_group([model], [tokenizer], [prompts], settings, [keys], compute_dtype, [lean])[0]
 
-    # Prefill each prompt once, then share its KV cache among its K samples.
-    cache_argument = lean_cache_argument(model)
-    cache = DynamicCache(config=model.config)
-    positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
-    rows = prompt_ids.shape[0] * k
-    width = prompt_ids.shape[1]
-    attention = torch.ones(rows, width + max_new, dtype=prompt_mask.dtype, device=device)
-    attention[:, :width] = prompt_mask.repeat_interleave(k, dim=0)
-    eos = torch.tensor(eos_ids, device=device)
+
+def _sample_group(models, tokenizers, prompts, settings: SamplingSettings, keys, compute_dtype, leans) -> List[AgentSamples]:
+    """One batched decode for a group of agents (one agent, or several that `sample_agents` found
+    fusable: then every one has a lean decoder and the same number of prompts)."""
+    device = next(models[0].parameters()).device
+    if not prompts[0]:  # a data-parallel rank whose shard of this turn is empty
+        empty = torch.zeros(0, 0, dtype=torch.long, device=device)
+        return [AgentSamples([], empty, empty, empty, empty.bool(), [])]
+    max_new = settings.max_new_tokens
+    coarse = compute_dtype is not None and device.type == "cpu"
+    eos_ids = [_eos_ids(t, m) for t, m in zip(tokenizers, models)]
+    pad_ids = [t.pad_token_id if t.pad_token_id is not None else e[0] for t, e in zip(tokenizers, eos_ids)]
+    encoded = [_encode_prompts(t, p, pad, coarse) for t, p, pad in zip(tokenizers, prompts, pad_ids)]
+    width = max(ids.shape[1] for ids, _ in encoded)  # fused agents share one (bucketed) width
+    encoded = [(F.pad(ids, (width - ids.shape[1], 0), value=pad), F.pad(mask, (width - mask.shape[1], 0), value=0))
+               for (ids, mask), pad in zip(encoded, pad_ids)]
+    was_training = [m.training for m in models]
+    for model in models:
+        model.eval()
+    try:
+        states = [_prefill(m, p, ids.to(device), mask.to(device), settings, key, eos, pad, compute_dtype)
+                  for m, p, (ids, mask), key, eos, pad in zip(models, prompts, encoded, keys, eos_ids, pad_ids)]
+        generated = _decode(models[0], states, settings, compute_dtype, leans, width)
+    finally:
+        for model, training in zip(models, was_training):
+            model.train(training)
+    rows = states[0].logits.shape[0]
+    return [_finish(t, s, generated[i * rows:(i + 1) * rows]) for i, (t, s) in enumerate(zip(tokenizers, states))]
+
+
+def _decode(model, states: List[_Prefilled], settings: SamplingSettings, compute_dtype, leans, width: int) -> torch.Tensor:
+    """Decode every row of every state to EOS or max_new_tokens; returns the (rows, steps) tokens,
+    agent-major. Several states go through one StackedLeanDecoder; one state through its lean
+    decoder, or through the model's own forward where the architecture has none."""
+    device = states[0].logits.device
+    max_new = settings.max_new_tokens
+    logits = torch.cat([s.logits for s in states])
+    uniforms = torch.cat([s.uniforms for s in states])
+    positions = torch.cat([s.positions for s in states])
+    rows = logits.shape[0]
+    attention = torch.ones(rows, width + max_new, dtype=states[0].prompt_mask.dtype, device=device)
+    attention[:, :width] = torch.cat([s.prompt_mask.repeat_interleave(settings.num_generations, dim=0) for s in states])
+    pad_id = states[0].pad_id
+    eos = torch.tensor(states[0].eos_ids, device=device)
     generated = torch.full((rows, max_new), pad_id, dtype=torch.long, device=device)
     unfinished = torch.ones(rows, dtype=torch.bool, device=device)
-    was_training = model.training
-    model.eval()
-    try:
-        with autocast(device, compute_dtype):
-            logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-                           logits_to_keep=1, **{cache_argument: cache}).logits[:, -1, :].float()
-        logits = logits.repeat_interleave(k, dim=0)
-        cache.batch_repeat_interleave(k)
-        positions = positions[:, -1:].repeat_interleave(k, dim=0)
-        lean = lean_decoder_for(model, compute_dtype)
-        if lean is not None:
-            lean_cache = lean.allocate_cache(cache, width + max_new)
-            attend = attention.bool().view(rows, 1, 1, -1)
-            cos, sin = lean.rotary_table(positions + torch.arange(1, max_new + 1, device=device))
-        steps = 0
-        for t in range(max_new):
-            tokens = draw_tokens(logits, uniforms[:, t].to(logits.dtype), settings)
-            tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad_id))
-            generated[:, t] = tokens
-            steps = t + 1
-            unfinished &= ~torch.isin(tokens, eos)
-            if t + 1 == max_new or not bool(unfinished.any()):
-                break
-            positions = positions + 1
-            if lean is not None:
-                logits = lean.step(tokens, (cos[:, t], sin[:, t]), lean_cache, width + t, attend).float()
-            else:
-                with autocast(device, compute_dtype):
-                    logits = model(input_ids=tokens.unsqueeze(1), attention_mask=attention[:, : width + t + 1],
-                                   position_ids=positions, use_cache=True, logits_to_keep=1,
-                                   **{cache_argument: cache}).logits[:, -1, :].float()
-    finally:
-        model.train(was_training)
-    completion_ids = generated[:, :steps]
-    mask = completion_mask(completion_ids, eos_ids)
-    texts = tokenizer.batch_decode(
-        [row[: int(n)] for row, n in zip(completion_ids.tolist(), mask.sum(dim=1).tolist())],
-        skip_special_tokens=True,
-    )
-    return AgentSamples(list(prompts), prompt_ids, prompt_mask, completion_ids, mask, texts)
+    if len(states) > 1:
+        decoder = StackedLeanDecoder(leans)
+        cache = decoder.allocate_cache([s.cache for s in states], width + max_new)
+    else:
+        decoder = leans[0]
+        cache = decoder.allocate_cache(states[0].cache, width + max_new) if decoder is not None else states[0].cache
+    if decoder is not None:
+        attend = attention.bool().view(rows, 1, 1, -1)
+        cos, sin = decoder.rotary_table(positions + torch.arange(1, max_new + 1, device=device))
+    steps = 0
+    for t in range(max_new):
+        tokens = draw_tokens(logits, uniforms[:, t].to(logits.dtype), settings)
+        tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad_id))
+        generated[:, t] = tokens
+        steps = t + 1
+        unfinished &= ~torch.isin(tokens, eos)
+        if t + 1 == max_new or not bool(unfinished.any()):
+            break
+        positions = positions + 1
+        if decoder is not None:
+            logits = decoder.step(tokens, (cos[:, t], sin[:, t]), cache, width + t, attend).float()
+        else:
+            with autocast(device, compute_dtype):
+                logits = model(input_ids=tokens.unsqueeze(1), attention_mask=attention[:, : width + t + 1],
+                               position_ids=positions, use_cache=True, logits_to_keep=1,
+                               **{lean_cache_argument(model): cache}).logits[:, -1, :].float()
+    return generated[:, :steps]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -86,3 +86,48 @@ def test_unknown_architectures_fall_back():
     torch.manual_seed(0)
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     assert lean_decoder_for(gpt2) is None
+
+
+def _perturbed(model, seed: int):
+    """The same architecture with different weights (a second agent after some training)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.02)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_agents_of_one_architecture_decode_together_and_sample_what_they_sample_alone(tiny_model_dir, dtype,
+                                                                                       monkeypatch):
+    tok = load_tokenizer(tiny_model_dir)
+    models = [load_causal_lm(tiny_model_dir), _perturbed(load_causal_lm(tiny_model_dir), 1),
+              _perturbed(load_causal_lm(tiny_model_dir), 2)]
+    settings = SamplingSettings(num_generations=3, max_new_tokens=24, temperature=1.0, top_p=0.95, top_k=50)
+    # Different prompt widths per agent: the fused batch pads them to one width.
+    prompts = [["Hi:", "Design a playground on Mars:"],
+               ["Write a long bedtime story for a dragon who cannot sleep:", "Ok:"],
+               ["A", "B"]]
+    keys = [[(agent, node) for node in range(2)] for agent in range(3)]
+    stacks = []
+    original = rollout.StackedLeanDecoder
+    monkeypatch.setattr(rollout, "StackedLeanDecoder", lambda decoders: stacks.append(len(decoders)) or original(decoders))
+    together = rollout.sample_agents(models, [tok] * 3, prompts, settings, keys, [dtype] * 3)
+    assert stacks == [3]  # one decode for all three agents
+    for i in range(3):
+        alone = sample_completions(models[i], tok, prompts[i], settings, keys[i], dtype)
+        assert torch.equal(together[i].completion_ids, alone.completion_ids), i
+        assert torch.equal(together[i].completion_mask, alone.completion_mask), i
+        assert together[i].texts == alone.texts
+    assert together[0].texts != together[1].texts  # the agents really have their own weights
+
+
+def test_agents_of_different_architectures_are_sampled_apart(tiny_model_dir, tiny_medium_model_dir, monkeypatch):
+    small, medium = load_causal_lm(tiny_model_dir), load_causal_lm(tiny_medium_model_dir)
+    toks = [load_tokenizer(tiny_model_dir), load_tokenizer(tiny_medium_model_dir)]
+    settings = SamplingSettings(num_generations=2, max_new_tokens=8, temperature=0.8, top_p=0.9, top_k=50)
+    prompts, keys = [["Hi:"], ["Hi:"]], [[("s",)], [("m",)]]
+    monkeypatch.setattr(rollout, "StackedLeanDecoder", None)  # would fail if called
+    together = rollout.sample_agents([small, medium], toks, prompts, settings, keys, [None, None])
+    for model, tok, got, p, k in zip([small, medium], toks, together, prompts, keys):
+        assert torch.equal(got.completion_ids, sample_completions(model, tok, p, settings, k).completion_ids)

@@ -54,6 +54,7 @@ from comlrl.rollout import (
     joint_action_indices,
     metrics_for_turns,
     metrics_from_sums,
+    sample_agents,
     sample_completions,
     score_turn,
     turn_sums,
@@ -454,13 +455,15 @@ class MAGRPOTrainer:
         return turns
 
     def _sample_all_agents(self, prompts: List[List[str]], node_keys: List[tuple]) -> List[AgentSamples]:
-        """Every agent's samples for one turn. Agents on different devices sample concurrently (one
-        thread per agent: kernels of different GPUs overlap while Python waits); samples are keyed,
-        so the result is the same in either order."""
+        """Every agent's samples for one turn. Agents on one device that share an architecture
+        decode as one batch (`sample_agents`); agents on different devices sample concurrently (one
+        thread per agent: kernels of different GPUs overlap while Python waits). Samples are keyed,
+        so the result is the same either way."""
+        keys = [[key + (f"agent_{i}",) for key in node_keys] for i in range(self.num_agents)]
+
         def sample(i: int) -> AgentSamples:
             return sample_completions(self.agents[i], self.tokenizers[i], prompts[i], self.sampling,
-                                      keys=[key + (f"agent_{i}",) for key in node_keys],
-                                      compute_dtype=self.compute_dtypes[i])
+                                      keys=keys[i], compute_dtype=self.compute_dtypes[i])
 
         if self._concurrent_rollout:
             if self._rollout_pool is None:
@@ -469,9 +472,8 @@ class MAGRPOTrainer:
             for _ in results:
                 faults.point("generate")
             return results
-        results = []
-        for i in range(self.num_agents):
-            results.append(sample(i))
+        results = sample_agents(self.agents, self.tokenizers, prompts, self.sampling, keys, self.compute_dtypes)
+        for _ in results:
             faults.point("generate")
         return results
 
