@@ -77,6 +77,7 @@ PHASES = [
 SPECIFIC_TARGETS = {
     # ours
     "comlrl.rollout:sample_completions": "generation",
+    "comlrl.rollout:sample_agents": "generation",
     "comlrl.losses:shared_prompt_token_logprobs": "forward",
     "comlrl.losses:policy_gradient_loss": "loss",
     "comlrl.losses:group_advantages": "loss",

@@ -198,9 +198,12 @@ def sample_agents(models: Sequence, tokenizers: Sequence, prompts: Sequence[Sequ
         groups.setdefault(signature, []).append(i)
     results: List[Optional[AgentSamples]] = [None] * count
     for members in groups.values():
+        member_leans = [leans[i] for i in members]
+        for i in members:
+            leans[i] = None  # let the group's decode free its weight snapshots once stacked
         samples = _sample_group([models[i] for i in members], [tokenizers[i] for i in members],
                                 [prompts[i] for i in members], settings, [keys[i] for i in members],
-                                compute_dtypes[members[0]], [leans[i] for i in members])
+                                compute_dtypes[members[0]], member_leans)
         for i, agent_samples in zip(members, samples):
             results[i] = agent_samples
     return results
@@ -273,6 +276,9 @@ def _decode(model, states: List[_Prefilled], settings: SamplingSettings, compute
         decoder = leans[0]
         cache = decoder.allocate_cache(states[0].cache, width + max_new) if decoder is not None else states[0].cache
     if decoder is not None:
+        del leans[:]  # the stacked copies (or the lean decoder itself) now hold what decoding needs
+        for state in states:
+            state.cache = None  # copied into the preallocated cache
         attend = attention.bool().view(rows, 1, 1, -1)
         cos, sin = decoder.rotary_table(positions + torch.arange(1, max_new + 1, device=device))
     steps = 0

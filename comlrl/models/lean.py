@@ -201,17 +201,26 @@ class StackedLeanDecoder:
                 down_weight=stack([layer.down_weight for layer in layers], transpose=True),
                 eps=layers[0].eps,
             ))
-        self._decoders = decoders
+        self._rotary_source = first  # every agent's rotary table is the same (fusion_signature)
 
     def allocate_cache(self, prefill_caches, total_length: int):
-        """One preallocated (keys, values) per layer holding every agent's rows, agent-major."""
-        per_agent = [d.allocate_cache(c, total_length) for d, c in zip(self._decoders, prefill_caches)]
-        keys = [torch.cat([agent[0][i] for agent in per_agent]) for i in range(len(self.layers))]
-        values = [torch.cat([agent[1][i] for agent in per_agent]) for i in range(len(self.layers))]
+        """One preallocated (keys, values) per layer holding every agent's rows, agent-major; each
+        agent's prefill cache is copied straight into its slice."""
+        keys, values = [], []
+        for index in range(len(self.layers)):
+            per_agent = [_layer_kv(cache, index) for cache in prefill_caches]
+            rows, heads, length, dim = per_agent[0][0].shape
+            k_buf = per_agent[0][0].new_empty(rows * self.count, heads, total_length, dim, dtype=self.attention_dtype)
+            v_buf = torch.empty_like(k_buf)
+            for agent, (k, v) in enumerate(per_agent):
+                k_buf[agent * rows:(agent + 1) * rows, :, :length] = k
+                v_buf[agent * rows:(agent + 1) * rows, :, :length] = v
+            keys.append(k_buf)
+            values.append(v_buf)
         return keys, values
 
     def rotary_table(self, positions: torch.Tensor):
-        return self._decoders[0].rotary_table(positions)
+        return self._rotary_source.rotary_table(positions)
 
     def step(self, tokens: torch.Tensor, rotary, cache, length: int, attend: torch.Tensor) -> torch.Tensor:
         """Logits (agents * rows, vocab) for `tokens` (agents * rows,), agent-major; see LeanDecoder.step."""
