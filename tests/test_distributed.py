@@ -24,14 +24,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script: str, *args: str, nproc: int = 2, kill_at: str | None = None) -> subprocess.CompletedProcess:
+def torchrun(script: str, *args: str, nproc: int = 2, kill_at: str | None = None,
+             timeout: int = 600) -> subprocess.CompletedProcess:
     env = os.environ.copy()
     env.pop("COMLRL_KILL_AT", None)
     if kill_at:
         env["COMLRL_KILL_AT"] = kill_at
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={free_port()}", str(SCRIPTS / script), *args]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def weights(path: Path) -> dict:
@@ -101,3 +102,15 @@ def test_killed_two_process_run_resumes_exactly(tiny_model_dir, two_process_run,
         for name in want[i]:
             assert torch.equal(want[i][name], got[i][name]), f"agent {i} {name}"
     assert rows(tmp_path) == rows(two_process_run)
+
+
+def test_a_failed_save_on_rank_0_stops_every_rank(tiny_model_dir, tmp_path):
+    """Rank 0 cannot write checkpoint-2: every rank stops with the reason, and checkpoint-1 stays
+    intact. Rank 1 hears of it from rank 0 instead of waiting at the end of the save; torchrun would
+    tear it down anyway, but launchers that do not (other nodes, plain srun) would leave it waiting
+    until the collective timeout."""
+    result = torchrun("dp_save_failure.py", tiny_model_dir, str(tmp_path), timeout=180)
+    assert result.returncode != 0
+    assert "No space left on device" in result.stderr
+    assert "Rank 0 could not write checkpoint" in result.stderr  # rank 1's error names rank 0's failure
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint-1"]

@@ -759,11 +759,22 @@ class MAGRPOTrainer:
                     "sequence": self.updates_done, "run_id": self.run_id, "wandb": identity,
                     "comlrl_version": __version__}
         rng_states = self.dist.all_gather_object(ckpt.capture_rng_state())  # every rank's sampling stream
+        failure, verdict = None, None
         if self.dist.is_main:
             trainer_state["world_size"] = self.dist.world_size
-            ckpt.save_checkpoint(target, self.agents, self.optimizers, trainer_state, metadata, rng_states)
-            ckpt.prune_checkpoints(target.parent, total_limit)
-        self.dist.barrier()  # nobody moves on (or exits) before the checkpoint is in place
+            try:
+                ckpt.save_checkpoint(target, self.agents, self.optimizers, trainer_state, metadata, rng_states)
+                ckpt.prune_checkpoints(target.parent, total_limit)
+            except Exception as exc:  # every rank must hear of it, or the others would wait forever
+                failure, verdict = exc, f"{type(exc).__name__}: {exc}"
+        # Also the barrier: nobody moves on (or exits) before the checkpoint is in place.
+        verdicts = self.dist.all_gather_object(verdict)
+        if failure is not None:
+            raise failure
+        if verdicts[0] is not None:
+            raise ckpt.CheckpointError(
+                f"Rank 0 could not write checkpoint {target} ({verdicts[0]}); this rank stops too. Earlier "
+                "checkpoints are untouched: fix the cause (disk space, permissions) and resume from the latest.")
 
     # ============================================================================================
     # Helpers
