@@ -15,6 +15,7 @@ from comlrl.models.lean import cache_argument
 ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
 LOSS_TYPES = ("sum", "token_mean", "seq_mean")
 
+
 def bucketed_width(width: int, limit: int, coarse: bool = False) -> int:
     """The width (tokens) a batch of sequences is padded to, at most `limit`; the masks hide the
     padding. Widths are rounded up to a multiple of 8, or with `coarse` to the next of 8, 12, 16,

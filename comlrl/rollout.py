@@ -66,6 +66,12 @@ def _eos_ids(tokenizer, model) -> List[int]:
     return sorted(ids)
 
 
+def _stop_ids(tokenizer, model) -> Tuple[List[int], int]:
+    """(EOS ids, pad id): rows stop at any EOS and are padded after it (with EOS if no pad token)."""
+    eos_ids = _eos_ids(tokenizer, model)
+    return eos_ids, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+
+
 def sample_seed(key: Tuple) -> int:
     """A 63-bit seed that is a pure function of `key` (no global RNG involved)."""
     return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") & (2**63 - 1)
@@ -176,8 +182,7 @@ def _finish(tokenizer, state: _Prefilled, generated: torch.Tensor) -> AgentSampl
 
 @torch.inference_mode()
 def sample_agents(models: Sequence, tokenizers: Sequence, prompts: Sequence[Sequence[str]], settings: SamplingSettings,
-                  keys: Sequence[Sequence[Tuple]], compute_dtypes: Sequence[Optional[torch.dtype]],
-                  fuse: bool = True) -> List[AgentSamples]:
+                  keys: Sequence[Sequence[Tuple]], compute_dtypes: Sequence[Optional[torch.dtype]]) -> List[AgentSamples]:
     """Every agent's K completions for its prompts (one list per agent, same length), batched.
 
     Agents that share an architecture (every shape, dtype and rotary setting), a device, a precision
@@ -189,9 +194,8 @@ def sample_agents(models: Sequence, tokenizers: Sequence, prompts: Sequence[Sequ
     leans = [lean_decoder_for(m, d) if p else None for m, d, p in zip(models, compute_dtypes, prompts)]
     groups: Dict[Any, List[int]] = {}
     for i in range(count):
-        if fuse and leans[i] is not None:
-            eos_ids = _eos_ids(tokenizers[i], models[i])
-            pad_id = tokenizers[i].pad_token_id if tokenizers[i].pad_token_id is not None else eos_ids[0]
+        if leans[i] is not None:
+            eos_ids, pad_id = _stop_ids(tokenizers[i], models[i])
             signature = (fusion_signature(leans[i]), len(prompts[i]), tuple(eos_ids), pad_id)
         else:
             signature = ("alone", i)
@@ -233,8 +237,7 @@ def _sample_group(models, tokenizers, prompts, settings: SamplingSettings, keys,
         return [AgentSamples([], empty, empty, empty, empty.bool(), [])]
     max_new = settings.max_new_tokens
     coarse = compute_dtype is not None and device.type == "cpu"
-    eos_ids = [_eos_ids(t, m) for t, m in zip(tokenizers, models)]
-    pad_ids = [t.pad_token_id if t.pad_token_id is not None else e[0] for t, e in zip(tokenizers, eos_ids)]
+    eos_ids, pad_ids = zip(*[_stop_ids(t, m) for t, m in zip(tokenizers, models)])
     encoded = [_encode_prompts(t, p, pad, coarse) for t, p, pad in zip(tokenizers, prompts, pad_ids)]
     width = max(ids.shape[1] for ids, _ in encoded)  # fused agents share one (bucketed) width
     encoded = [(F.pad(ids, (width - ids.shape[1], 0), value=pad), F.pad(mask, (width - mask.shape[1], 0), value=0))
@@ -255,8 +258,8 @@ def _sample_group(models, tokenizers, prompts, settings: SamplingSettings, keys,
 
 def _decode(model, states: List[_Prefilled], settings: SamplingSettings, compute_dtype, leans, width: int) -> torch.Tensor:
     """Decode every row of every state to EOS or max_new_tokens; returns the (rows, steps) tokens,
-    agent-major. Several states go through one StackedLeanDecoder; one state through its lean
-    decoder, or through the model's own forward where the architecture has none."""
+    agent-major. The states go through one StackedLeanDecoder, or (one state) through the model's
+    own forward where the architecture has no lean decoder."""
     device = states[0].logits.device
     max_new = settings.max_new_tokens
     logits = torch.cat([s.logits for s in states])
@@ -269,14 +272,11 @@ def _decode(model, states: List[_Prefilled], settings: SamplingSettings, compute
     eos = torch.tensor(states[0].eos_ids, device=device)
     generated = torch.full((rows, max_new), pad_id, dtype=torch.long, device=device)
     unfinished = torch.ones(rows, dtype=torch.bool, device=device)
-    if len(states) > 1:
+    decoder, cache = None, states[0].cache
+    if leans[0] is not None:
         decoder = StackedLeanDecoder(leans)
         cache = decoder.allocate_cache([s.cache for s in states], width + max_new)
-    else:
-        decoder = leans[0]
-        cache = decoder.allocate_cache(states[0].cache, width + max_new) if decoder is not None else states[0].cache
-    if decoder is not None:
-        del leans[:]  # the stacked copies (or the lean decoder itself) now hold what decoding needs
+        del leans[:]  # the stacked copies now hold what decoding needs
         for state in states:
             state.cache = None  # copied into the preallocated cache
         attend = attention.bool().view(rows, 1, 1, -1)

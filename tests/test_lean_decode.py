@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2C
 
 from comlrl import rollout
 from comlrl.models import load_causal_lm, load_tokenizer
-from comlrl.models.lean import cache_argument, lean_decoder_for
+from comlrl.models.lean import StackedLeanDecoder, cache_argument, lean_decoder_for
 from comlrl.precision import autocast
 from comlrl.rollout import SamplingSettings, sample_completions
 
@@ -43,10 +43,11 @@ def _lean_and_reference_logits(model, compute_dtype=None, attention_dtype=None):
         full_positions = (full_mask.cumsum(1) - 1).clamp(min=0)
         reference = model(input_ids=full_ids, attention_mask=full_mask, position_ids=full_positions).logits[:, 5:]
     with torch.no_grad():
-        buffers = lean.allocate_cache(cache, 5 + 3)
+        decoder = StackedLeanDecoder([lean])
+        buffers = decoder.allocate_cache([cache], 5 + 3)
         attend = full_mask.bool().view(2, 1, 1, -1)
-        cos, sin = lean.rotary_table(full_positions[:, 5:])
-        steps = [lean.step(continuation[:, t], (cos[:, t], sin[:, t]), buffers, 5 + t, attend) for t in range(3)]
+        cos, sin = decoder.rotary_table(full_positions[:, 5:])
+        steps = [decoder.step(continuation[:, t], (cos[:, t], sin[:, t]), buffers, 5 + t, attend) for t in range(3)]
     return torch.stack(steps, dim=1).float(), reference.float()
 
 
@@ -127,7 +128,10 @@ def test_agents_of_different_architectures_are_sampled_apart(tiny_model_dir, tin
     toks = [load_tokenizer(tiny_model_dir), load_tokenizer(tiny_medium_model_dir)]
     settings = SamplingSettings(num_generations=2, max_new_tokens=8, temperature=0.8, top_p=0.9, top_k=50)
     prompts, keys = [["Hi:"], ["Hi:"]], [[("s",)], [("m",)]]
-    monkeypatch.setattr(rollout, "StackedLeanDecoder", None)  # would fail if called
+    stacks = []
+    original = rollout.StackedLeanDecoder
+    monkeypatch.setattr(rollout, "StackedLeanDecoder", lambda decoders: stacks.append(len(decoders)) or original(decoders))
     together = rollout.sample_agents([small, medium], toks, prompts, settings, keys, [None, None])
+    assert stacks == [1, 1]  # each agent decodes on its own
     for model, tok, got, p, k in zip([small, medium], toks, together, prompts, keys):
         assert torch.equal(got.completion_ids, sample_completions(model, tok, p, settings, k).completion_ids)

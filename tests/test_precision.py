@@ -89,6 +89,6 @@ def test_bf16_run_is_deterministic_and_resumes_exactly(tiny_model_dir, tmp_path)
 def test_bf16_resume_of_an_fp32_run_is_refused(tiny_model_dir, tmp_path):
     make_trainer(tiny_model_dir, num_train_epochs=1, mixed_precision="no").train(
         checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=1)
-    with pytest.raises(Exception, match="mixed_precision"):
+    with pytest.raises(ValueError, match="mixed_precision"):
         make_trainer(tiny_model_dir).train(resume_from_checkpoint=str(tmp_path / "ckpt" / "checkpoint-1"),
                                            checkpoint_dir=str(tmp_path / "ckpt"))

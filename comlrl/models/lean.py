@@ -59,8 +59,9 @@ def lean_decoder_for(model, compute_dtype: Optional[torch.dtype] = None,
 
 
 class LeanDecoder:
-    """Decode one token per row against a preallocated KV cache. Build one per sampling call: it
-    snapshots (fused copies of) the current weights, cast to `compute_dtype` when one is given."""
+    """One agent's decode weights: a snapshot of (fused copies of) its current weights, cast to
+    `compute_dtype` when one is given. Build one per sampling call; `StackedLeanDecoder` decodes
+    with one or several of them."""
 
     def __init__(self, model, compute_dtype: Optional[torch.dtype] = None,
                  attention_dtype: Optional[torch.dtype] = None):
@@ -102,69 +103,16 @@ class LeanDecoder:
         self.kv_size = self.num_kv_heads * self.head_dim
         self.intermediate = self.layers[0].gate_up_weight.shape[0] // 2
 
-    def allocate_cache(self, prefill_cache, total_length: int):
-        """Copy a transformers cache (after prefill) into preallocated (keys, values) per layer."""
-        keys, values = [], []
-        for index in range(len(self.layers)):
-            k, v = _layer_kv(prefill_cache, index)
-            rows, heads, length, dim = k.shape
-            k_buf = k.new_empty(rows, heads, total_length, dim, dtype=self.attention_dtype)
-            v_buf = v.new_empty(rows, heads, total_length, dim, dtype=self.attention_dtype)
-            k_buf[:, :, :length] = k
-            v_buf[:, :, :length] = v
-            keys.append(k_buf)
-            values.append(v_buf)
-        return keys, values
-
-    def rotary_table(self, positions: torch.Tensor):
-        """(cos, sin), each (rows, steps, 1, 1, head_dim), for `positions` (rows, steps): computed
-        once per sampling call, indexed by `step` (the rotary module costs as much as a layer's
-        elementwise work when called per token)."""
-        probe = self.embed.new_empty(1, 1, 1)
-        cos, sin = self.rotary(probe, positions)
-        return cos[:, :, None, None, :], sin[:, :, None, None, :]
-
-    def step(self, tokens: torch.Tensor, rotary, cache, length: int, attend: torch.Tensor) -> torch.Tensor:
-        """Logits (rows, vocab) for `tokens` (rows,) whose rotary (cos, sin) are (rows, 1, 1,
-        head_dim) slices of `rotary_table`; writes their K/V at column `length` of the cache;
-        `attend` (rows, 1, 1, total) is False at left padding."""
-        keys, values = cache
-        rows = tokens.shape[0]
-        hidden = F.embedding(tokens, self.embed).unsqueeze(1)  # (rows, 1, hidden)
-        cos, sin = rotary
-        mask = attend[..., : length + 1]
-        low = self.compute_dtype
-        for index, layer in enumerate(self.layers):
-            x = _rms_norm(hidden, layer.input_norm, layer.eps)
-            qkv = F.linear(x.to(low), layer.qkv_weight, layer.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(rows, 1, self.num_heads, self.head_dim).transpose(1, 2)
-            k = k.view(rows, 1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(rows, 1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q, k = _rope(q, cos, sin).to(self.attention_dtype), _rope(k, cos, sin)  # rope computes in cos/sin's dtype
-            keys[index][:, :, length:length + 1] = k
-            values[index][:, :, length:length + 1] = v
-            attended = F.scaled_dot_product_attention(
-                q, keys[index][:, :, : length + 1], values[index][:, :, : length + 1], attn_mask=mask,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-            )
-            attended = attended.transpose(1, 2).reshape(rows, 1, self.q_size)
-            hidden = hidden + F.linear(attended.to(low), layer.o_weight, layer.o_bias)
-            x = _rms_norm(hidden, layer.post_norm, layer.eps)
-            gate, up = F.linear(x.to(low), layer.gate_up_weight).split(self.intermediate, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight)
-        hidden = _rms_norm(hidden, self.final_norm, self.final_eps)
-        return F.linear(hidden[:, -1].to(low), self.lm_head, self.lm_head_bias)
-
 
 class StackedLeanDecoder:
-    """Several agents of one architecture decoded as one batch: each agent's weights are stacked on
-    a leading agent dimension, so every projection is one batched matmul for all agents and every
-    elementwise op and attention call runs once over all agents' rows (rows are agent-major).
+    """Decode one token per row against a preallocated KV cache, for one agent or several of one
+    architecture at once: each agent's weights are stacked on a leading agent dimension, so every
+    projection is one batched matmul for all agents and every elementwise op and attention call
+    runs once over all agents' rows (rows are agent-major).
 
     At RL sizes a decode step costs mostly per-call overhead (a projection of 8-16 rows is ~50 us
-    whatever its width), so two agents decode in little more than the time of one. Each row computes
-    exactly what `LeanDecoder` computes for it (batched and single matmuls round alike).
+    whatever its width), so two agents decode in little more than the time of one. A row computes
+    the same whether its agent decodes alone or with others (batched matmuls round per agent alike).
     """
 
     def __init__(self, decoders: List[LeanDecoder]):
@@ -173,7 +121,7 @@ class StackedLeanDecoder:
             raise ValueError("StackedLeanDecoder needs decoders of one architecture, dtype and device.")
         self.count = len(decoders)
         for name in ("dtype", "compute_dtype", "attention_dtype", "num_heads", "num_kv_heads", "head_dim",
-                     "q_size", "kv_size", "intermediate", "final_eps", "rotary"):
+                     "q_size", "kv_size", "intermediate", "final_eps", "rotary"):  # rotary: one for all (fusion_signature)
             setattr(self, name, getattr(first, name))
         self.vocab = first.embed.shape[0]
         self.embed = torch.cat([d.embed for d in decoders])  # (agents * vocab, hidden): row a*vocab+t
@@ -201,7 +149,6 @@ class StackedLeanDecoder:
                 down_weight=stack([layer.down_weight for layer in layers], transpose=True),
                 eps=layers[0].eps,
             ))
-        self._rotary_source = first  # every agent's rotary table is the same (fusion_signature)
 
     def allocate_cache(self, prefill_caches, total_length: int):
         """One preallocated (keys, values) per layer holding every agent's rows, agent-major; each
@@ -220,10 +167,16 @@ class StackedLeanDecoder:
         return keys, values
 
     def rotary_table(self, positions: torch.Tensor):
-        return self._rotary_source.rotary_table(positions)
+        """(cos, sin), each (rows, steps, 1, 1, head_dim), for `positions` (rows, steps): computed
+        once per sampling call, indexed by `step` (the rotary module costs as much as a layer's
+        elementwise work when called per token)."""
+        cos, sin = self.rotary(self.embed.new_empty(1, 1, 1), positions)
+        return cos[:, :, None, None, :], sin[:, :, None, None, :]
 
     def step(self, tokens: torch.Tensor, rotary, cache, length: int, attend: torch.Tensor) -> torch.Tensor:
-        """Logits (agents * rows, vocab) for `tokens` (agents * rows,), agent-major; see LeanDecoder.step."""
+        """Logits (agents * rows, vocab) for `tokens` (agents * rows,), agent-major, whose rotary (cos,
+        sin) are (rows, 1, 1, head_dim) slices of `rotary_table`; writes their K/V at column `length`
+        of the cache; `attend` (rows, 1, 1, total) is False at left padding."""
         keys, values = cache
         total = tokens.shape[0]
         rows = total // self.count
@@ -239,7 +192,7 @@ class StackedLeanDecoder:
             q = q.view(total, 1, self.num_heads, self.head_dim).transpose(1, 2)
             k = k.view(total, 1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             v = v.view(total, 1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q, k = _rope(q, cos, sin).to(self.attention_dtype), _rope(k, cos, sin)
+            q, k = _rope(q, cos, sin).to(self.attention_dtype), _rope(k, cos, sin)  # rope computes in cos/sin's dtype
             keys[index][:, :, length:length + 1] = k
             values[index][:, :, length:length + 1] = v
             attended = F.scaled_dot_product_attention(
