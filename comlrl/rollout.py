@@ -279,7 +279,7 @@ def _decode(model, states: List[_Prefilled], settings: SamplingSettings, compute
         del leans[:]  # the stacked copies now hold what decoding needs
         for state in states:
             state.cache = None  # copied into the preallocated cache
-        attend = attention.bool().view(rows, 1, 1, -1)
+        bias = decoder.attention_bias(attention)
         cos, sin = decoder.rotary_table(positions + torch.arange(1, max_new + 1, device=device))
     steps = 0
     for t in range(max_new):
@@ -292,7 +292,7 @@ def _decode(model, states: List[_Prefilled], settings: SamplingSettings, compute
             break
         positions = positions + 1
         if decoder is not None:
-            logits = decoder.step(tokens, (cos[:, t], sin[:, t]), cache, width + t, attend).float()
+            logits = decoder.step(tokens, (cos[:, t], sin[:, t]), cache, width + t, bias).float()
         else:
             with autocast(device, compute_dtype):
                 logits = model(input_ids=tokens.unsqueeze(1), attention_mask=attention[:, : width + t + 1],

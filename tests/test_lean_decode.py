@@ -45,9 +45,9 @@ def _lean_and_reference_logits(model, compute_dtype=None, attention_dtype=None):
     with torch.no_grad():
         decoder = StackedLeanDecoder([lean])
         buffers = decoder.allocate_cache([cache], 5 + 3)
-        attend = full_mask.bool().view(2, 1, 1, -1)
+        bias = decoder.attention_bias(full_mask)
         cos, sin = decoder.rotary_table(full_positions[:, 5:])
-        steps = [decoder.step(continuation[:, t], (cos[:, t], sin[:, t]), buffers, 5 + t, attend) for t in range(3)]
+        steps = [decoder.step(continuation[:, t], (cos[:, t], sin[:, t]), buffers, 5 + t, bias) for t in range(3)]
     return torch.stack(steps, dim=1).float(), reference.float()
 
 
