@@ -127,7 +127,7 @@ class _Prefilled:
     prompts: List[str]
     prompt_ids: torch.Tensor  # (B, W) left-padded
     prompt_mask: torch.Tensor  # (B, W)
-    cache: Any  # transformers cache, each prompt's entries repeated for its K rows
+    cache: Any  # transformers cache, one row per prompt (its K samples share it)
     logits: torch.Tensor  # (B*K, vocab) for the first completion token
     positions: torch.Tensor  # (B*K, 1) position of the last prompt token
     uniforms: torch.Tensor  # (B*K, max_new) one pre-drawn uniform per row and step
@@ -164,7 +164,6 @@ def _prefill(model, prompts, prompt_ids, prompt_mask, settings: SamplingSettings
     with autocast(device, compute_dtype):
         logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
                        logits_to_keep=1, **{lean_cache_argument(model): cache}).logits[:, -1, :].float()
-    cache.batch_repeat_interleave(k)
     return _Prefilled(list(prompts), prompt_ids, prompt_mask, cache, logits.repeat_interleave(k, dim=0),
                       positions[:, -1:].repeat_interleave(k, dim=0), uniforms, eos_ids, pad_id)
 
@@ -275,12 +274,14 @@ def _decode(model, states: List[_Prefilled], settings: SamplingSettings, compute
     decoder, cache = None, states[0].cache
     if leans[0] is not None:
         decoder = StackedLeanDecoder(leans)
-        cache = decoder.allocate_cache([s.cache for s in states], width + max_new)
+        cache = decoder.allocate_cache([s.cache for s in states], settings.num_generations, max_new)
         del leans[:]  # the stacked copies now hold what decoding needs
         for state in states:
-            state.cache = None  # copied into the preallocated cache
+            state.cache = None  # copied into the decode cache
         bias = decoder.attention_bias(attention)
         cos, sin = decoder.rotary_table(positions + torch.arange(1, max_new + 1, device=device))
+    else:
+        cache.batch_repeat_interleave(settings.num_generations)  # the model's forward wants one cache row per row
     steps = 0
     for t in range(max_new):
         tokens = draw_tokens(logits, uniforms[:, t].to(logits.dtype), settings)
@@ -292,7 +293,7 @@ def _decode(model, states: List[_Prefilled], settings: SamplingSettings, compute
             break
         positions = positions + 1
         if decoder is not None:
-            logits = decoder.step(tokens, (cos[:, t], sin[:, t]), cache, width + t, bias).float()
+            logits = decoder.step(tokens, (cos[:, t], sin[:, t]), cache, t, bias).float()
         else:
             with autocast(device, compute_dtype):
                 logits = model(input_ids=tokens.unsqueeze(1), attention_mask=attention[:, : width + t + 1],

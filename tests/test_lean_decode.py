@@ -26,11 +26,12 @@ MODEL_IDS = ["qwen2-gqa", "llama-gqa", "llama-mha"]
 
 
 def _lean_and_reference_logits(model, compute_dtype=None, attention_dtype=None):
-    """(lean logits, model logits) of a 3-token continuation of a left-padded 2-row batch, the
-    model's forward run under autocast to `compute_dtype` as the trainer runs it."""
+    """(lean logits, model logits) of 3-token continuations of a left-padded 2-prompt batch, two
+    samples per prompt (so the samples share their prompt's cache), the model's forward run on the
+    full sequences under autocast to `compute_dtype` as the trainer runs it."""
     prompt = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])  # row 0 left-padded
     prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    continuation = torch.tensor([[11, 12, 13], [21, 22, 23]])
+    continuation = torch.tensor([[11, 12, 13], [14, 15, 16], [21, 22, 23], [24, 25, 26]])  # (prompt, sample)
     lean = lean_decoder_for(model, compute_dtype, attention_dtype)
     assert lean is not None
     with torch.no_grad(), autocast(torch.device("cpu"), compute_dtype):
@@ -38,16 +39,16 @@ def _lean_and_reference_logits(model, compute_dtype=None, attention_dtype=None):
         cache = DynamicCache(config=model.config)
         model(input_ids=prompt, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
               **{cache_argument(model): cache})
-        full_ids = torch.cat([prompt, continuation], 1)
-        full_mask = torch.cat([prompt_mask, torch.ones(2, 3, dtype=torch.long)], 1)
+        full_ids = torch.cat([prompt.repeat_interleave(2, dim=0), continuation], 1)
+        full_mask = torch.cat([prompt_mask.repeat_interleave(2, dim=0), torch.ones(4, 3, dtype=torch.long)], 1)
         full_positions = (full_mask.cumsum(1) - 1).clamp(min=0)
         reference = model(input_ids=full_ids, attention_mask=full_mask, position_ids=full_positions).logits[:, 5:]
     with torch.no_grad():
         decoder = StackedLeanDecoder([lean])
-        buffers = decoder.allocate_cache([cache], 5 + 3)
+        buffers = decoder.allocate_cache([cache], 2, 3)
         bias = decoder.attention_bias(full_mask)
         cos, sin = decoder.rotary_table(full_positions[:, 5:])
-        steps = [decoder.step(continuation[:, t], (cos[:, t], sin[:, t]), buffers, 5 + t, bias) for t in range(3)]
+        steps = [decoder.step(continuation[:, t], (cos[:, t], sin[:, t]), buffers, t, bias) for t in range(3)]
     return torch.stack(steps, dim=1).float(), reference.float()
 
 

@@ -150,22 +150,20 @@ class StackedLeanDecoder:
                 eps=layers[0].eps,
             ))
 
-    def allocate_cache(self, prefill_caches, total_length: int):
-        """One preallocated (keys, values) per layer holding every agent's rows, agent-major; each
-        agent's prefill cache is copied straight into its slice. Keys are stored transposed, (rows,
-        kv_heads, head_dim, length), so a step's scores are one plain batched matmul with no copy."""
-        keys, values = [], []
+    def allocate_cache(self, prefill_caches, group_size: int, max_new_tokens: int) -> "_DecodeCache":
+        """The decode cache for every agent's rows, agent-major. `prefill_caches` hold one row per
+        prompt (not repeated per sample); each prompt's K/V are copied once into a shared prefix, and
+        its `group_size` samples get their own preallocated columns for the tokens they generate."""
+        prefix_keys, prefix_values, keys, values = [], [], [], []
         for index in range(len(self.layers)):
             per_agent = [_layer_kv(cache, index) for cache in prefill_caches]
-            rows, heads, length, dim = per_agent[0][0].shape
-            v_buf = per_agent[0][0].new_empty(rows * self.count, heads, total_length, dim, dtype=self.attention_dtype)
-            k_buf = v_buf.new_empty(rows * self.count, heads, dim, total_length)
-            for agent, (k, v) in enumerate(per_agent):
-                k_buf[agent * rows:(agent + 1) * rows, :, :, :length] = k.transpose(-1, -2)
-                v_buf[agent * rows:(agent + 1) * rows, :, :length] = v
-            keys.append(k_buf)
-            values.append(v_buf)
-        return keys, values
+            prompts, heads, width, dim = per_agent[0][0].shape
+            prefix_values.append(torch.cat([v for _, v in per_agent]).to(self.attention_dtype))
+            prefix_keys.append(torch.cat([k.transpose(-1, -2) for k, _ in per_agent]).to(self.attention_dtype))
+            rows = prompts * group_size * self.count
+            values.append(prefix_values[-1].new_empty(rows, heads, max_new_tokens, dim))
+            keys.append(prefix_values[-1].new_empty(rows, heads, dim, max_new_tokens))
+        return _DecodeCache(prefix_keys, prefix_values, keys, values, group_size)
 
     def attention_bias(self, attention_mask: torch.Tensor) -> torch.Tensor:
         """(rows, 1, 1, total) additive bias from a (rows, total) 0/1 mask: -inf at left padding."""
@@ -182,36 +180,56 @@ class StackedLeanDecoder:
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         return cos[:, :, None, :], sin[:, :, None, :]
 
-    def step(self, tokens: torch.Tensor, rotary, cache, length: int, attention_bias: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, rotary, cache: "_DecodeCache", steps_done: int,
+             attention_bias: torch.Tensor) -> torch.Tensor:
         """Logits (agents * rows, vocab) for `tokens` (agents * rows,), agent-major, whose rotary (cos,
         signed sin) are (rows, 1, head_dim) slices of `rotary_table`; writes their K/V at column
-        `length` of the cache; `attention_bias` comes from `attention_bias` (-inf at left padding).
+        `steps_done` of the generated part of the cache. `attention_bias` (from `attention_bias`, over
+        prompt width + max_new_tokens columns) is -inf at left padding.
 
-        Attention for one query token is two small batched matmuls per layer. Each KV head's query
-        heads are its rows of the score matrix (no repeat of keys/values for grouped-query
-        attention), and the keys are stored transposed. At decode shapes on the CPU this measured
-        25% faster than SDPA, whose per-(row, head) setup dominates when the query is one token."""
-        keys, values = cache
+        Attention for one query token runs as small batched matmuls in two parts. Against the prompt
+        prefix, the query heads of a prompt's K samples are the rows of one product per prompt and
+        KV head, so the prefix is read once per prompt, not once per sample (at RL prompt lengths it
+        is most of the cache). Against its own generated tokens, each row has its own product. One
+        softmax spans both parts. Keys are stored transposed, so no product copies its operands, and
+        grouped-query heads are rows of their KV head's product (no repeat of keys or values).
+        Measured on the CPU (L benchmark shapes): SDPA over a per-row cache 3.9 ms per step, per-row
+        matmul attention 3.0 ms, this ~2.2 ms."""
         total = tokens.shape[0]
         rows = total // self.count
         group = self.num_heads // self.num_kv_heads
+        prompts = total // cache.group_size
+        width = cache.prefix_keys[0].shape[-1]
+        shared_rows = cache.group_size * group  # rows of one prompt's product per KV head
         offsets = torch.arange(self.count, device=tokens.device).repeat_interleave(rows) * self.vocab
         hidden = F.embedding(tokens + offsets, self.embed).view(self.count, rows, -1)  # (A, rows, hidden)
         cos, sin = rotary
-        bias = attention_bias[..., : length + 1]
+        bias = attention_bias[..., : width + steps_done + 1]
         scale = self.head_dim ** -0.5
-        low = self.compute_dtype
+        low, att = self.compute_dtype, self.attention_dtype
         for index, layer in enumerate(self.layers):
             x = _rms_norm(hidden, layer.input_norm, layer.eps)
             qkv = _batched_linear(x.to(low), layer.qkv_weight, layer.qkv_bias).view(total, -1)
             query_key = qkv[:, : self.q_size + self.kv_size].view(total, self.num_heads + self.num_kv_heads, self.head_dim)
             query_key = _rope(query_key, cos, sin)  # computes in cos/sin's dtype
-            q = query_key[:, : self.num_heads].reshape(total, self.num_kv_heads, group, self.head_dim)
-            keys[index][:, :, :, length] = query_key[:, self.num_heads:]
-            values[index][:, :, length] = qkv[:, self.q_size + self.kv_size:].view(total, self.num_kv_heads, self.head_dim)
-            scores = torch.matmul(q.to(self.attention_dtype), keys[index][..., : length + 1])  # (total, kv, group, L)
-            probs = torch.add(bias, scores, alpha=scale).softmax(dim=-1, dtype=torch.float32)
-            attended = torch.matmul(probs.to(self.attention_dtype), values[index][:, :, : length + 1])
+            q = query_key[:, : self.num_heads].reshape(total, self.num_kv_heads, group, self.head_dim).to(att)
+            keys, values = cache.keys[index], cache.values[index]
+            keys[:, :, :, steps_done] = query_key[:, self.num_heads:]
+            values[:, :, steps_done] = qkv[:, self.q_size + self.kv_size:].view(total, self.num_kv_heads, self.head_dim)
+            # (prompts, K, kv, group, D) -> (prompts, kv, K * group, D): one product per prompt and KV head
+            q_shared = q.view(prompts, cache.group_size, self.num_kv_heads, group, self.head_dim).transpose(1, 2)
+            prefix_scores = torch.matmul(q_shared.reshape(prompts, self.num_kv_heads, shared_rows, self.head_dim),
+                                         cache.prefix_keys[index])
+            prefix_scores = prefix_scores.view(prompts, self.num_kv_heads, cache.group_size, group, width).transpose(1, 2)
+            own_scores = torch.matmul(q, keys[..., : steps_done + 1])  # (total, kv, group, steps_done + 1)
+            scores = torch.cat([prefix_scores.reshape(total, self.num_kv_heads, group, width), own_scores], dim=-1)
+            probs = torch.add(bias, scores, alpha=scale).softmax(dim=-1, dtype=torch.float32).to(att)
+            prefix_probs = probs[..., :width].reshape(prompts, cache.group_size, self.num_kv_heads, group, width)
+            prefix_part = torch.matmul(prefix_probs.transpose(1, 2).reshape(prompts, self.num_kv_heads, shared_rows, width),
+                                       cache.prefix_values[index])
+            prefix_part = prefix_part.view(prompts, self.num_kv_heads, cache.group_size, group, self.head_dim).transpose(1, 2)
+            attended = torch.matmul(probs[..., width:], values[:, :, : steps_done + 1]).view(
+                prompts, cache.group_size, self.num_kv_heads, group, self.head_dim) + prefix_part
             hidden = hidden + _batched_linear(attended.reshape(self.count, rows, self.q_size).to(low),
                                               layer.o_weight, layer.o_bias)
             x = _rms_norm(hidden, layer.post_norm, layer.eps)
@@ -219,6 +237,19 @@ class StackedLeanDecoder:
             hidden = hidden + _batched_linear(F.silu(gate) * up, layer.down_weight, None)
         hidden = _rms_norm(hidden, self.final_norm, self.final_eps)
         return _batched_linear(hidden.to(low), self.lm_head, self.lm_head_bias).view(total, -1)
+
+
+@dataclass
+class _DecodeCache:
+    """Per layer: the prompts' keys (prompts, kv, D, width) and values (prompts, kv, width, D), shared
+    by each prompt's `group_size` rows, and every row's generated keys (rows, kv, D, max_new) and
+    values (rows, kv, max_new, D). Keys are stored transposed."""
+
+    prefix_keys: List[torch.Tensor]
+    prefix_values: List[torch.Tensor]
+    keys: List[torch.Tensor]
+    values: List[torch.Tensor]
+    group_size: int
 
 
 def fusion_signature(decoder: LeanDecoder) -> tuple:
