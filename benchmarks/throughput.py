@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
 
     from comlrl.losses import completion_mask, policy_gradient_loss, shared_prompt_token_logprobs
     from comlrl.models import load_tokenizer, tiny_model_path
-    from comlrl.precision import autocast, compute_dtype, training_attention
+    from comlrl.precision import compute_dtype
     from comlrl.rollout import SamplingSettings, sample_completions
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -141,8 +141,7 @@ def main(argv=None) -> dict:
                 samples.completion_ids, samples.prompt_ids, samples.prompt_mask))
             mask = completion_mask(completion_ids, [256])
             advantages = torch.randn(mask.shape[0], device=device)
-            with training_attention(model, device, dtype), autocast(device, dtype):
-                logprobs = shared_prompt_token_logprobs(model, prompt_ids, prompt_mask, completion_ids, mask, k)
+            logprobs = shared_prompt_token_logprobs(model, prompt_ids, prompt_mask, completion_ids, mask, k, dtype)
             loss = policy_gradient_loss(logprobs, mask, advantages)
             loss.backward()
             optimizer.step()

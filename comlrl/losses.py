@@ -5,12 +5,13 @@ Everything here is a pure tensor function so it can be pinned by hand-computed t
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from transformers import DynamicCache
 
-from comlrl.models.lean import cache_argument
+from comlrl.models.lean import cache_argument, shared_prompt_logits
+from comlrl.precision import autocast, training_attention
 
 ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
 LOSS_TYPES = ("sum", "token_mean", "seq_mean")
@@ -102,18 +103,37 @@ def shared_prompt_token_logprobs(
     completion_ids: torch.Tensor,
     completion_mask_: torch.Tensor,
     group_size: int,
+    compute_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Log-probs (rows, T) of each completion token, for groups of `group_size` completions that
     share one prompt (completion rows are group-major; `prompt_ids` has one left-padded row per group).
 
-    Each prompt goes through the model once and its keys/values are repeated for the K completions of
-    its group, whose tokens attend to them: the prompt part of the forward and backward is done once
+    Each prompt goes through the model once and its keys/values serve the K completions of its
+    group, whose tokens attend to them: the prompt part of the forward and backward is done once
     per group instead of K times (the gradient through the shared prefix is the sum over the group,
     as with K copies). Position ids follow the attention mask as `generate` builds them, so these are
     the log-probs of the distribution the tokens were sampled from (before temperature/top-k/top-p).
     Only the completion positions go through the LM head, and the normaliser is taken with
     `logsumexp`, so no full-vocabulary log-prob tensor is kept for the prompt.
+
+    Llama-family models run the lean forward (`comlrl.models.lean.shared_prompt_logits`); others
+    run the transformers forward twice (prompt with a cache, then the completions). With
+    `compute_dtype` the matrix products run in that dtype (autocast for the transformers forward).
     """
+    logits = shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, group_size, compute_dtype)
+    if logits is None:
+        device = prompt_ids.device
+        with training_attention(model, device, compute_dtype), autocast(device, compute_dtype):
+            logits = _transformers_shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids,
+                                                        completion_mask_, group_size)
+    picked = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _transformers_shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask_,
+                                       group_size: int) -> torch.Tensor:
+    """`shared_prompt_token_logprobs`' logits through the model's own forward, for any architecture:
+    the prompt with a KV cache, repeated for each group's K completions, then the completions."""
     prompt_positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     first = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True,
@@ -129,5 +149,4 @@ def shared_prompt_token_logprobs(
         rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention, position_ids=positions,
                      use_cache=True, **{cache_argument(model): cache}).logits.float()
         logits = torch.cat([logits, rest], dim=1)
-    picked = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    return logits

@@ -1,18 +1,21 @@
-"""A lean single-token decode step for Llama-family decoder-only models (Llama, Qwen2, Mistral).
+"""Lean decode and training forwards for Llama-family decoder-only models (Llama, Qwen2, Mistral).
 
 Sampling spends most of its time in per-token decode steps. At RL fine-tuning sizes the framework
 around each step (module dispatch, mask construction, a KV cache that grows by concatenation) costs
 as much as the arithmetic, so decode steps run here as plain tensor code over the model's own
 parameters: fused QKV and gate/up projections, a preallocated KV cache and a precomputed additive
-mask. The prompt prefill and every training forward still go through the transformers model; this
-path computes the same function (checked against it in the tests) and is used only for
-architectures it knows, falling back to the model's forward otherwise.
+mask. The policy-gradient pass (`shared_prompt_logits`) is written the same way, with autograd:
+prompt and completion tokens share each projection, and each prompt's keys serve its K samples.
+The prompt prefill of sampling still goes through the transformers model. Both paths compute the
+model's function (checked against it in the tests) and are used only for architectures they know;
+other models run their own forward.
 
 With a `compute_dtype` (mixed precision), the projections run on bf16 copies of the weights, as
-autocast would run them, while norms and rotary embeddings stay in the model's dtype. The KV cache
-and attention run in bf16 on GPUs (half the cache traffic) but stay in the model's dtype on the
-CPU: its bf16 kernels for these tiny per-head products are slower (SDPA measured 490 us vs 80 us
-for 16 rows x 90 cached tokens), and a bf16 cache with matmul attention gained only ~5% per step.
+autocast would run them, while norms and rotary embeddings stay in the model's dtype. The decode KV
+cache and attention run in bf16 on GPUs (half the cache traffic) but stay in the model's dtype on
+the CPU: its bf16 kernels for these tiny per-head products are slower (SDPA measured 490 us vs
+80 us for 16 rows x 90 cached tokens), and a bf16 cache with matmul attention gained only ~5% per
+step.
 """
 
 from __future__ import annotations
@@ -39,23 +42,26 @@ class _Layer:
     eps: float
 
 
+def supports_lean_path(model) -> bool:
+    """Whether `model` is an architecture the lean paths reproduce exactly."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return False
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return False
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
+        return False  # sliding-window layers need their own masks
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) and \
+            config.model_type == "mistral":
+        return False
+    inner = getattr(model, "model", None)
+    return inner is not None and hasattr(inner, "layers") and hasattr(model, "lm_head")
+
+
 def lean_decoder_for(model, compute_dtype: Optional[torch.dtype] = None,
                      attention_dtype: Optional[torch.dtype] = None) -> Optional["LeanDecoder"]:
     """A LeanDecoder for `model`, or None when its architecture is not one this path reproduces."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        return None
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return None
-    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
-        return None  # sliding-window layers need their own masks
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) and \
-            config.model_type == "mistral":
-        return None
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
-        return None
-    return LeanDecoder(model, compute_dtype, attention_dtype)
+    return LeanDecoder(model, compute_dtype, attention_dtype) if supports_lean_path(model) else None
 
 
 class LeanDecoder:
@@ -267,6 +273,121 @@ def fusion_signature(decoder: LeanDecoder) -> tuple:
             decoder.head_dim, shape(decoder.embed), shape(decoder.lm_head), shape(decoder.lm_head_bias),
             decoder.final_eps, layer_shapes, type(rotary).__name__, getattr(rotary, "attention_scaling", None),
             None if inv_freq is None else tuple(inv_freq.tolist()))
+
+
+def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                         group_size: int, compute_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    """Logits (rows, T, vocab), in fp32, predicting each token of `completion_ids` (rows, T; rows
+    group-major, `group_size` per prompt) after its prompt (`prompt_ids` (prompts, P), left-padded
+    as `prompt_mask` says), with gradients to the model's parameters; None when the model is not
+    an architecture this path reproduces (or uses attention dropout while training).
+
+    The same function as the transformers forward that `generate` runs (positions follow the
+    attention mask), written for the policy-gradient pass:
+
+    * prompt and completion tokens go through each layer together, so every projection is one
+      matmul per layer (fused QKV and gate/up weights), not one per forward;
+    * each prompt's keys and values are computed once and read by its K completions in a
+      shared-prefix product, so nothing is repeated per sample, forward or backward;
+    * only the prompt's last position and the completion positions reach the LM head;
+    * with `compute_dtype`, projections and attention products run on a single bf16 copy of each
+      weight per call; norms, rotary embeddings, softmax and the residual stream stay in the
+      model's dtype, as under autocast.
+    """
+    config = model.config
+    if not supports_lean_path(model) or (model.training and getattr(config, "attention_dropout", 0.0)):
+        return None
+    inner = model.model
+    dtype = inner.embed_tokens.weight.dtype
+    low = compute_dtype or dtype
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    group = heads // kv_heads
+    prompts, width = prompt_ids.shape
+    rows, steps = completion_ids.shape[0], completion_ids.shape[1] - 1  # the last token is only predicted
+    k = group_size
+    prompt_tokens = prompts * width
+    device = prompt_ids.device
+
+    # Positions follow the mask (left padding gets 0); completion j sits at last prompt position + 1 + j.
+    prompt_positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    completion_positions = prompt_positions[:, -1:] + 1 + torch.arange(steps, device=device)
+    positions = torch.cat([prompt_positions.reshape(-1),
+                           completion_positions.repeat_interleave(k, dim=0).reshape(-1)])
+    cos, sin = inner.rotary_emb(inner.embed_tokens.weight.new_empty(1, 1, 1), positions.unsqueeze(0))
+    half = sin.shape[-1] // 2
+    rotary = cos[0, :, None, :], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)[:, None, :]
+
+    # Additive masks. Prompt: causal over its real tokens; a padding query sees itself only, so
+    # its (unused) row stays finite. Completion: its prompt's real tokens, then causal over itself.
+    blocked = float("-inf")
+    real = prompt_mask.bool()
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    seen = causal & (real[:, None, :] | torch.eye(width, dtype=torch.bool, device=device))
+    prompt_bias = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, blocked)
+    completion_bias = torch.zeros(prompts, steps, width + steps, dtype=dtype, device=device)
+    completion_bias[:, :, :width].masked_fill_(~real[:, None, :], blocked)
+    completion_bias[:, :, width:].masked_fill_(
+        ~torch.ones(steps, steps, dtype=torch.bool, device=device).tril(), blocked)
+    prompt_bias = prompt_bias[:, None, None]  # (prompts, 1, 1, P, P) over (kv, group)
+    completion_bias = completion_bias[:, None, None, None]  # (prompts, 1, 1, 1, S, P + S) over (kv, K, group)
+
+    hidden = F.embedding(torch.cat([prompt_ids.reshape(-1), completion_ids[:, :steps].reshape(-1)]),
+                         inner.embed_tokens.weight)
+    scale = head_dim ** -0.5
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).to(low)
+        qkv_bias = None if attn.q_proj.bias is None else torch.cat(
+            [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).to(low)
+        x = _rms_norm(hidden, layer.input_layernorm.weight, _eps(layer.input_layernorm))
+        qkv = F.linear(x.to(low), qkv_weight, qkv_bias)
+        query_key = _rope(qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, head_dim), *rotary).to(low)
+        query, key = query_key[:, :heads], query_key[:, heads:]
+        value = qkv[:, q_size + kv_size:].view(-1, kv_heads, head_dim)
+
+        # Prompt self-attention, grouped-query heads as rows of their KV head's product.
+        q_prompt = query[:prompt_tokens].view(prompts, width, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        k_prompt = key[:prompt_tokens].view(prompts, width, kv_heads, head_dim).permute(0, 2, 3, 1)  # (G, kv, D, P)
+        v_prompt = value[:prompt_tokens].view(prompts, width, kv_heads, head_dim).transpose(1, 2)  # (G, kv, P, D)
+        scores = torch.matmul(q_prompt.reshape(prompts, kv_heads, group * width, head_dim), k_prompt)
+        probs = torch.add(prompt_bias, scores.view(prompts, kv_heads, group, width, width), alpha=scale)
+        probs = probs.softmax(dim=-1, dtype=torch.float32).to(low).view(prompts, kv_heads, group * width, width)
+        attended_prompt = torch.matmul(probs, v_prompt).view(prompts, kv_heads, group, width, head_dim)
+        attended_prompt = attended_prompt.permute(0, 3, 1, 2, 4).reshape(prompt_tokens, q_size)
+
+        # Completions: one product per prompt and KV head against the shared prompt keys (all K
+        # samples' query rows at once), one per row against its own earlier tokens, one softmax.
+        q_completion = query[prompt_tokens:].view(prompts, k, steps, kv_heads, group, head_dim).permute(0, 3, 1, 4, 2, 5)
+        k_own = key[prompt_tokens:].view(prompts, k, steps, kv_heads, head_dim).permute(0, 3, 1, 4, 2)  # (G, kv, K, D, S)
+        v_own = value[prompt_tokens:].view(prompts, k, steps, kv_heads, head_dim).permute(0, 3, 1, 2, 4)  # (G, kv, K, S, D)
+        q_completion = q_completion.reshape(prompts, kv_heads, k, group * steps, head_dim)
+        prefix_scores = torch.matmul(q_completion.view(prompts, kv_heads, k * group * steps, head_dim), k_prompt)
+        own_scores = torch.matmul(q_completion, k_own)
+        scores = torch.cat([prefix_scores.view(prompts, kv_heads, k, group * steps, width), own_scores], dim=-1)
+        probs = torch.add(completion_bias, scores.view(prompts, kv_heads, k, group, steps, width + steps), alpha=scale)
+        probs = probs.softmax(dim=-1, dtype=torch.float32).to(low).view(prompts, kv_heads, k, group * steps, width + steps)
+        attended = torch.matmul(probs[..., width:], v_own) + torch.matmul(
+            probs[..., :width].reshape(prompts, kv_heads, k * group * steps, width), v_prompt).view(
+            prompts, kv_heads, k, group * steps, head_dim)
+        attended = attended.view(prompts, kv_heads, k, group, steps, head_dim).permute(0, 2, 4, 1, 3, 5)
+
+        attended = torch.cat([attended_prompt, attended.reshape(rows * steps, q_size)])
+        o_bias = None if attn.o_proj.bias is None else attn.o_proj.bias.to(low)
+        hidden = hidden + F.linear(attended, attn.o_proj.weight.to(low), o_bias)
+        x = _rms_norm(hidden, layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm))
+        gate_up_weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(low)
+        gate, up = F.linear(x.to(low), gate_up_weight).chunk(2, dim=-1)
+        hidden = hidden + F.linear(F.silu(gate) * up, mlp.down_proj.weight.to(low))
+
+    # The prompt's last position predicts each completion's first token; completion j predicts j + 1.
+    last = hidden[:prompt_tokens].view(prompts, width, -1)[:, -1].repeat_interleave(k, dim=0)
+    outputs = torch.cat([last.unsqueeze(1), hidden[prompt_tokens:].view(rows, steps, hidden.shape[-1])], dim=1)
+    outputs = _rms_norm(outputs, inner.norm.weight, _eps(inner.norm))
+    head_bias = None if model.lm_head.bias is None else model.lm_head.bias.to(low)
+    return F.linear(outputs.to(low), model.lm_head.weight.to(low), head_bias).float()
 
 
 def _batched_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

@@ -34,7 +34,7 @@ from comlrl import checkpoint as ckpt
 from comlrl import faults
 from comlrl.distributed import DistContext
 from comlrl.logging import MetricsSink
-from comlrl.precision import MIXED_PRECISION_MODES, autocast, compute_dtype, training_attention
+from comlrl.precision import MIXED_PRECISION_MODES, compute_dtype
 from comlrl.losses import (
     ADVANTAGE_MODES,
     LOSS_TYPES,
@@ -564,9 +564,9 @@ class MAGRPOTrainer:
                 prompt_columns - int(prompt_mask.any(dim=0).nonzero()[0]), prompt_columns, coarse_widths)
             chunk_mask = mask[chunk]
             width = bucketed_width(int(chunk_mask.sum(dim=1).max()), chunk_mask.shape[1], coarse_widths)
-            with training_attention(agent, device, dtype), autocast(device, dtype):
-                logprobs = shared_prompt_token_logprobs(agent, prompt_ids[:, first_column:], prompt_mask[:, first_column:],
-                                                        samples.completion_ids[rows[chunk], :width], chunk_mask[:, :width], k)
+            logprobs = shared_prompt_token_logprobs(agent, prompt_ids[:, first_column:], prompt_mask[:, first_column:],
+                                                    samples.completion_ids[rows[chunk], :width], chunk_mask[:, :width], k,
+                                                    dtype)
             loss = policy_gradient_loss(logprobs, chunk_mask[:, :width], advantages.reshape(-1)[rows[chunk]], a.loss_type)
             weight = (float(chunk_mask.sum()) / max(trained_tokens, 1.0) if a.loss_type == "token_mean"
                       else chunk_mask.shape[0] / len(rows))
