@@ -418,7 +418,8 @@ def parse_args(argv=None):
         help=f"file(s) whose {TABLE_START} ... {TABLE_END} section --update-readme rewrites "
         "(repeatable; default benchmarks/README.md)",
     )
-    p.add_argument("--json-out", default=None, help="results file (default results/<date>.json)")
+    p.add_argument("--json-out", default=None, help="results file (default: results/<date>.json for a full run of "
+                   "every workload and side, .cache/results/<time>.json for a partial one)")
     p.add_argument("--no-save", action="store_true", help="do not write a results file")
     return p.parse_args(argv)
 
@@ -442,6 +443,12 @@ def main(argv=None) -> int:
         libs = ["ours", "reference"] if args.no_bf16 else ["ours", "ours-bf16", "reference"]
     if args.only:
         libs = [args.only]
+    # Only a run of every workload on every side stands for the day: it alone writes
+    # results/<date>.json and the README table.
+    complete = (not args.smoke and set(wl.name for wl in workloads) == set(WORKLOADS)
+                and set(libs) == {"ours", "ours-bf16", "reference"})
+    if args.update_readme and not complete:
+        raise SystemExit("--update-readme needs a full run: every workload, ours, ours-bf16 and CoMLRL")
 
     if "reference" in libs:
         ensure_ref_venv()
@@ -479,15 +486,16 @@ def main(argv=None) -> int:
     save_to = None
     if args.json_out:
         save_to = Path(args.json_out)
-    elif not args.no_save and not args.smoke:
+    elif not args.no_save and complete:
         save_to = RESULTS / f"{date}.json"
+    elif not args.no_save and not args.smoke:
+        # A partial run must not replace the day's full results (the table in the README cites them).
+        save_to = CACHE / "results" / f"{payload['timestamp'].replace(':', '')}.json"
     if save_to is not None:
         save_to.parent.mkdir(parents=True, exist_ok=True)
         save_to.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _log(f"[bench] wrote {save_to}")
     if args.update_readme:
-        if args.smoke:
-            raise SystemExit("--update-readme needs a full run, not --smoke")
         for readme in args.readme or [README]:
             update_readme(table, info, date, repeats, Path(readme))
             _log(f"[bench] updated {readme}")
