@@ -116,8 +116,8 @@ def shared_prompt_token_logprobs(
     Only the completion positions go through the LM head, and the normaliser is taken with
     `logsumexp`, so no full-vocabulary log-prob tensor is kept for the prompt.
 
-    Llama-family models run the lean forward (`comlrl.models.lean.shared_prompt_logits`); others
-    run the transformers forward twice (prompt with a cache, then the completions). With
+    Llama-family models on the CPU run the lean forward (`comlrl.models.lean.shared_prompt_logits`);
+    others run the transformers forward twice (prompt with a cache, then the completions). With
     `compute_dtype` the matrix products run in that dtype (autocast for the transformers forward).
     """
     logits = shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, group_size, compute_dtype)

@@ -280,7 +280,13 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     """Logits (rows, T, vocab), in fp32, predicting each token of `completion_ids` (rows, T; rows
     group-major, `group_size` per prompt) after its prompt (`prompt_ids` (prompts, P), left-padded
     as `prompt_mask` says), with gradients to the model's parameters; None when the model is not
-    an architecture this path reproduces (or uses attention dropout while training).
+    an architecture this path reproduces (or uses attention dropout while training), or is not on
+    the CPU.
+
+    The attention here keeps its probabilities for the backward pass, as eager attention does. On
+    the CPU the loss chunks (~1024 tokens) keep that small, and it is faster than the transformers
+    forward there; GPUs keep the model's own forward, whose fused SDPA kernels store no
+    probabilities at the 64k-token chunks GPUs use.
 
     The same function as the transformers forward that `generate` runs (positions follow the
     attention mask), written for the policy-gradient pass:
@@ -296,6 +302,8 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     """
     config = model.config
     if not supports_lean_path(model) or (model.training and getattr(config, "attention_dropout", 0.0)):
+        return None
+    if prompt_ids.device.type != "cpu":
         return None
     inner = model.model
     dtype = inner.embed_tokens.weight.dtype
