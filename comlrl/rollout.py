@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from comlrl.losses import bucketed_width, completion_mask
 from comlrl.models.lean import cache_argument as lean_cache_argument
-from comlrl.models.lean import StackedLeanDecoder, fusion_signature, lean_decoder_for
+from comlrl.models.lean import StackedLeanDecoder, fuse_decoding, fusion_signature, lean_decoder_for
 from comlrl.precision import autocast
 
 JOINT_MODES = ("aligned", "cross")
@@ -184,16 +184,16 @@ def sample_agents(models: Sequence, tokenizers: Sequence, prompts: Sequence[Sequ
                   keys: Sequence[Sequence[Tuple]], compute_dtypes: Sequence[Optional[torch.dtype]]) -> List[AgentSamples]:
     """Every agent's K completions for its prompts (one list per agent, same length), batched.
 
-    Agents that share an architecture (every shape, dtype and rotary setting), a device, a precision
-    and EOS/pad ids decode together as one batch (`StackedLeanDecoder`); any others are sampled one
-    by one. Either way each row computes the same tokens: fusing changes how many calls a decode
+    Small agents (`fuse_decoding`) that share an architecture (every shape, dtype and rotary
+    setting), a device, a precision and EOS/pad ids decode together as one batch
+    (`StackedLeanDecoder`); any others are sampled one by one. Either way each row computes the same tokens: fusing changes how many calls a decode
     step makes, not what a row samples (see `sample_completions` for the sampling contract).
     """
     count = len(models)
     leans = [lean_decoder_for(m, d) if p else None for m, d, p in zip(models, compute_dtypes, prompts)]
     groups: Dict[Any, List[int]] = {}
     for i in range(count):
-        if leans[i] is not None:
+        if leans[i] is not None and fuse_decoding(models[i]):
             eos_ids, pad_id = _stop_ids(tokenizers[i], models[i])
             signature = (fusion_signature(leans[i]), len(prompts[i]), tuple(eos_ids), pad_id)
         else:

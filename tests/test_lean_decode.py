@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config
 
 from comlrl import rollout
+from comlrl.models import lean as lean_module
 from comlrl.models import load_causal_lm, load_tokenizer
 from comlrl.models.lean import StackedLeanDecoder, cache_argument, lean_decoder_for
 from comlrl.precision import autocast
@@ -136,3 +137,30 @@ def test_agents_of_different_architectures_are_sampled_apart(tiny_model_dir, tin
     assert stacks == [1, 1]  # each agent decodes on its own
     for model, tok, got, p, k in zip([small, medium], toks, together, prompts, keys):
         assert torch.equal(got.completion_ids, sample_completions(model, tok, p, settings, k).completion_ids)
+
+
+def test_agents_above_the_fusion_size_decode_apart_and_sample_the_same(tiny_model_dir, monkeypatch):
+    """Large agents are not stacked (the copies would cost more than the per-call savings); the
+    samples do not depend on it."""
+    tok = load_tokenizer(tiny_model_dir)
+    models = [load_causal_lm(tiny_model_dir), _perturbed(load_causal_lm(tiny_model_dir), 1)]
+    settings = SamplingSettings(num_generations=2, max_new_tokens=8, temperature=0.8, top_p=0.9, top_k=50)
+    prompts, keys = [["Hi:", "Yo:"], ["Hey:", "A"]], [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+    stacks = []
+    original = rollout.StackedLeanDecoder
+    monkeypatch.setattr(rollout, "StackedLeanDecoder", lambda decoders: stacks.append(len(decoders)) or original(decoders))
+    fused = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [None, None])
+    assert stacks == [2]
+    monkeypatch.setattr(lean_module, "FUSE_MAX_PARAMETERS", sum(p.numel() for p in models[0].parameters()) - 1)
+    apart = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [None, None])
+    assert stacks == [2, 1, 1]
+    for a, b in zip(fused, apart):
+        assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+def test_a_single_agent_decodes_on_views_of_its_weights(tiny_model_dir):
+    """One agent's decoder reads its (fp32) weights in place: no per-call copy of embeddings or projections."""
+    model = load_causal_lm(tiny_model_dir)
+    decoder = StackedLeanDecoder([lean_decoder_for(model)])
+    assert decoder.embed.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert decoder.layers[0].o_weight.data_ptr() == model.model.layers[0].self_attn.o_proj.weight.data_ptr()
