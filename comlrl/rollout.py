@@ -186,8 +186,9 @@ def sample_agents(models: Sequence, tokenizers: Sequence, prompts: Sequence[Sequ
 
     Small agents (`fuse_decoding`) that share an architecture (every shape, dtype and rotary
     setting), a device, a precision and EOS/pad ids decode together as one batch
-    (`StackedLeanDecoder`); any others are sampled one by one. Either way each row computes the same tokens: fusing changes how many calls a decode
-    step makes, not what a row samples (see `sample_completions` for the sampling contract).
+    (`StackedLeanDecoder`); any others are sampled one by one. Either way each row computes the
+    same tokens: fusing changes how many calls a decode step makes, not what a row samples (see
+    `sample_completions` for the sampling contract).
     """
     count = len(models)
     leans = [lean_decoder_for(m, d) if p else None for m, d, p in zip(models, compute_dtypes, prompts)]

@@ -21,7 +21,7 @@ step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -81,9 +81,7 @@ class LeanDecoder:
         def cast(weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if weight is None else weight.to(self.compute_dtype)
 
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = _head_shape(config)
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight
         self.final_eps = _eps(inner.norm)
@@ -93,15 +91,15 @@ class LeanDecoder:
         self.layers: List[_Layer] = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+            qkv_weight, qkv_bias = _fused_qkv(attn)
             self.layers.append(_Layer(
                 input_norm=layer.input_layernorm.weight,
-                qkv_weight=cast(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
-                qkv_bias=None if any(b is None for b in biases) else cast(torch.cat(biases)),
+                qkv_weight=cast(qkv_weight),
+                qkv_bias=cast(qkv_bias),
                 o_weight=cast(attn.o_proj.weight),
                 o_bias=cast(attn.o_proj.bias),
                 post_norm=layer.post_attention_layernorm.weight,
-                gate_up_weight=cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                gate_up_weight=cast(_fused_gate_up(mlp)),
                 down_weight=cast(mlp.down_proj.weight),
                 eps=_eps(layer.input_layernorm),
             ))
@@ -183,10 +181,7 @@ class StackedLeanDecoder:
         once per sampling call, indexed by `step` (the rotary module costs as much as a layer's
         elementwise work when called per token). The sin's first half is negated so that a step
         rotates with one concatenation (see `_rope`)."""
-        cos, sin = self.rotary(self.embed.new_empty(1, 1, 1), positions)
-        half = sin.shape[-1] // 2
-        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        return cos[:, :, None, :], sin[:, :, None, :]
+        return _signed_rotary(self.rotary, self.embed, positions)
 
     def step(self, tokens: torch.Tensor, rotary, cache: "_DecodeCache", steps_done: int,
              attention_bias: torch.Tensor) -> torch.Tensor:
@@ -315,17 +310,13 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
       weight per call; norms, rotary embeddings, softmax and the residual stream stay in the
       model's dtype, as under autocast.
     """
-    config = model.config
-    if not supports_lean_path(model) or (model.training and getattr(config, "attention_dropout", 0.0)):
-        return None
-    if prompt_ids.device.type != "cpu":
+    if (not supports_lean_path(model) or prompt_ids.device.type != "cpu"
+            or (model.training and getattr(model.config, "attention_dropout", 0.0))):
         return None
     inner = model.model
     dtype = inner.embed_tokens.weight.dtype
     low = compute_dtype or dtype
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, kv_heads, head_dim = _head_shape(model.config)
     group = heads // kv_heads
     prompts, width = prompt_ids.shape
     rows, steps = completion_ids.shape[0], completion_ids.shape[1] - 1  # the last token is only predicted
@@ -338,9 +329,8 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     completion_positions = prompt_positions[:, -1:] + 1 + torch.arange(steps, device=device)
     positions = torch.cat([prompt_positions.reshape(-1),
                            completion_positions.repeat_interleave(k, dim=0).reshape(-1)])
-    cos, sin = inner.rotary_emb(inner.embed_tokens.weight.new_empty(1, 1, 1), positions.unsqueeze(0))
-    half = sin.shape[-1] // 2
-    rotary = cos[0, :, None, :], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)[:, None, :]
+    cos, sin = _signed_rotary(inner.rotary_emb, inner.embed_tokens.weight, positions.unsqueeze(0))
+    rotary = cos[0], sin[0]  # (tokens, 1, head_dim)
 
     # Additive masks. Prompt: causal over its real tokens; a padding query sees itself only, so
     # its (unused) row stays finite. Completion: its prompt's real tokens, then causal over itself.
@@ -362,11 +352,9 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).to(low)
-        qkv_bias = None if attn.q_proj.bias is None else torch.cat(
-            [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).to(low)
+        qkv_weight, qkv_bias = _fused_qkv(attn)
         x = _rms_norm(hidden, layer.input_layernorm.weight, _eps(layer.input_layernorm))
-        qkv = F.linear(x.to(low), qkv_weight, qkv_bias)
+        qkv = F.linear(x.to(low), qkv_weight.to(low), None if qkv_bias is None else qkv_bias.to(low))
         query_key = _rope(qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, head_dim), *rotary).to(low)
         query, key = query_key[:, :heads], query_key[:, heads:]
         value = qkv[:, q_size + kv_size:].view(-1, kv_heads, head_dim)
@@ -401,8 +389,7 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
         o_bias = None if attn.o_proj.bias is None else attn.o_proj.bias.to(low)
         hidden = hidden + F.linear(attended, attn.o_proj.weight.to(low), o_bias)
         x = _rms_norm(hidden, layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm))
-        gate_up_weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(low)
-        gate, up = F.linear(x.to(low), gate_up_weight).chunk(2, dim=-1)
+        gate, up = F.linear(x.to(low), _fused_gate_up(mlp).to(low)).chunk(2, dim=-1)
         hidden = hidden + F.linear(F.silu(gate) * up, mlp.down_proj.weight.to(low))
 
     # The prompt's last position predicts each completion's first token; completion j predicts j + 1.
@@ -418,6 +405,34 @@ def _batched_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torc
     if bias is None:
         return torch.bmm(x, weight_t)
     return torch.baddbmm(bias, x, weight_t)
+
+
+def _head_shape(config) -> Tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a Llama-family config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def _fused_qkv(attn):
+    """(weight, bias or None) of the q, k and v projections as one projection (rows q, k, v)."""
+    biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+    weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    return weight, None if any(b is None for b in biases) else torch.cat(biases)
+
+
+def _fused_gate_up(mlp) -> torch.Tensor:
+    """The gate and up projections' weights as one projection (rows gate, up)."""
+    return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+
+
+def _signed_rotary(rotary, like: torch.Tensor, positions: torch.Tensor):
+    """(cos, signed sin), each positions.shape + (1, head_dim), in `like`'s dtype and device: the
+    sin's first half is negated so that `_rope` rotates with one concatenation."""
+    cos, sin = rotary(like.new_empty(1, 1, 1), positions)
+    half = sin.shape[-1] // 2
+    sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return cos.unsqueeze(-2), sin.unsqueeze(-2)
 
 
 def _eps(norm) -> float:
