@@ -236,7 +236,7 @@ def _sample_group(models, tokenizers, prompts, settings: SamplingSettings, keys,
         empty = torch.zeros(0, 0, dtype=torch.long, device=device)
         return [AgentSamples([], empty, empty, empty, empty.bool(), [])]
     max_new = settings.max_new_tokens
-    coarse = compute_dtype is not None and device.type == "cpu"
+    coarse = device.type == "cpu"
     eos_ids, pad_ids = zip(*[_stop_ids(t, m) for t, m in zip(tokenizers, models)])
     encoded = [_encode_prompts(t, p, pad, coarse) for t, p, pad in zip(tokenizers, prompts, pad_ids)]
     width = max(ids.shape[1] for ids, _ in encoded)  # fused agents share one (bucketed) width

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2C
 
 from comlrl import rollout
 from comlrl.models import lean as lean_module
+from comlrl.models import onednn
 from comlrl.models import load_causal_lm, load_tokenizer
 from comlrl.models.lean import StackedLeanDecoder, cache_argument, lean_decoder_for
 from comlrl.precision import autocast
@@ -158,9 +159,35 @@ def test_agents_above_the_fusion_size_decode_apart_and_sample_the_same(tiny_mode
         assert torch.equal(a.completion_ids, b.completion_ids)
 
 
-def test_a_single_agent_decodes_on_views_of_its_weights(tiny_model_dir):
-    """One agent's decoder reads its (fp32) weights in place: no per-call copy of embeddings or projections."""
+def test_a_single_agent_decodes_on_views_of_its_weights(tiny_model_dir, monkeypatch):
+    """One agent's decoder reads its (fp32) embeddings in place. Its projections are either read in
+    place (the batched-matmul path, used off the CPU) or reordered once per sampling call for
+    oneDNN (the CPU): never copied into a stacked tensor."""
     model = load_causal_lm(tiny_model_dir)
+    o_proj = model.model.layers[0].self_attn.o_proj.weight
     decoder = StackedLeanDecoder([lean_decoder_for(model)])
     assert decoder.embed.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert decoder.layers[0].o_weight.data_ptr() == model.model.layers[0].self_attn.o_proj.weight.data_ptr()
+    if onednn.AVAILABLE:
+        assert decoder.layers[0].o.packed and len(decoder.layers[0].o.linears) == 1
+        assert decoder.layers[0].o.linears[0].weight.is_mkldnn
+    monkeypatch.setattr(onednn, "AVAILABLE", False)
+    decoder = StackedLeanDecoder([lean_decoder_for(model)])
+    assert not decoder.layers[0].o.packed
+    assert decoder.layers[0].o.weight.data_ptr() == o_proj.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_packed_and_batched_projections_decode_the_same_tokens(tiny_model_dir, dtype, monkeypatch):
+    """The CPU's oneDNN-packed projections and the stacked batched-matmul path sample the same
+    completions (their sums round differently in fp32, by ~1e-6 relative), fused or alone."""
+    if not onednn.AVAILABLE:
+        pytest.skip("this torch build has no oneDNN")
+    tok = load_tokenizer(tiny_model_dir)
+    models = [load_causal_lm(tiny_model_dir), _perturbed(load_causal_lm(tiny_model_dir), 1)]
+    settings = SamplingSettings(num_generations=3, max_new_tokens=24, temperature=1.0, top_p=0.95, top_k=50)
+    prompts, keys = [["Hi:", "Design a playground on Mars:"], ["Ok:", "A"]], [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+    packed = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [dtype] * 2)
+    monkeypatch.setattr(onednn, "AVAILABLE", False)
+    batched = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [dtype] * 2)
+    for a, b in zip(packed, batched):
+        assert torch.equal(a.completion_ids, b.completion_ids)

@@ -26,6 +26,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from . import onednn
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
@@ -132,27 +134,21 @@ class StackedLeanDecoder:
         # sampling call (see `fuse_decoding` for when that pays).
         self.embed = torch.cat([d.embed for d in decoders]) if self.count > 1 else first.embed  # row a*vocab+t
 
-        def stack(tensors, transpose=False):
-            if tensors[0] is None:
-                return None
-            stacked = torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
-            return stacked.transpose(1, 2) if transpose else stacked.unsqueeze(1)  # weights (A, in, out); vectors (A, 1, n)
+        def stack(vectors):  # (A, 1, n)
+            return (torch.stack(vectors) if len(vectors) > 1 else vectors[0].unsqueeze(0)).unsqueeze(1)
 
         self.final_norm = stack([d.final_norm for d in decoders])
-        self.lm_head = stack([d.lm_head for d in decoders], transpose=True)
-        self.lm_head_bias = stack([d.lm_head_bias for d in decoders])
-        self.layers: List[_Layer] = []
+        self.lm_head = _AgentProjections([d.lm_head for d in decoders], [d.lm_head_bias for d in decoders])
+        self.layers: List[_StackedLayer] = []
         for index in range(len(first.layers)):
             layers = [d.layers[index] for d in decoders]
-            self.layers.append(_Layer(
+            self.layers.append(_StackedLayer(
                 input_norm=stack([layer.input_norm for layer in layers]),
-                qkv_weight=stack([layer.qkv_weight for layer in layers], transpose=True),
-                qkv_bias=stack([layer.qkv_bias for layer in layers]),
-                o_weight=stack([layer.o_weight for layer in layers], transpose=True),
-                o_bias=stack([layer.o_bias for layer in layers]),
+                qkv=_AgentProjections([layer.qkv_weight for layer in layers], [layer.qkv_bias for layer in layers]),
+                o=_AgentProjections([layer.o_weight for layer in layers], [layer.o_bias for layer in layers]),
                 post_norm=stack([layer.post_norm for layer in layers]),
-                gate_up_weight=stack([layer.gate_up_weight for layer in layers], transpose=True),
-                down_weight=stack([layer.down_weight for layer in layers], transpose=True),
+                gate_up=_AgentProjections([layer.gate_up_weight for layer in layers], [None] * len(layers)),
+                down=_AgentProjections([layer.down_weight for layer in layers], [None] * len(layers)),
                 eps=layers[0].eps,
             ))
 
@@ -212,7 +208,7 @@ class StackedLeanDecoder:
         low, att = self.compute_dtype, self.attention_dtype
         for index, layer in enumerate(self.layers):
             x = _rms_norm(hidden, layer.input_norm, layer.eps)
-            qkv = _batched_linear(x.to(low), layer.qkv_weight, layer.qkv_bias).view(total, -1)
+            qkv = layer.qkv(x.to(low)).view(total, -1)
             query_key = qkv[:, : self.q_size + self.kv_size].view(total, self.num_heads + self.num_kv_heads, self.head_dim)
             query_key = _rope(query_key, cos, sin)  # computes in cos/sin's dtype
             q = query_key[:, : self.num_heads].reshape(total, self.num_kv_heads, group, self.head_dim).to(att)
@@ -233,13 +229,12 @@ class StackedLeanDecoder:
             prefix_part = prefix_part.view(prompts, self.num_kv_heads, cache.group_size, group, self.head_dim).transpose(1, 2)
             attended = torch.matmul(probs[..., width:], values[:, :, : steps_done + 1]).view(
                 prompts, cache.group_size, self.num_kv_heads, group, self.head_dim) + prefix_part
-            hidden = hidden + _batched_linear(attended.reshape(self.count, rows, self.q_size).to(low),
-                                              layer.o_weight, layer.o_bias)
+            hidden = hidden + layer.o(attended.reshape(self.count, rows, self.q_size).to(low))
             x = _rms_norm(hidden, layer.post_norm, layer.eps)
-            gate, up = _batched_linear(x.to(low), layer.gate_up_weight, None).split(self.intermediate, dim=-1)
-            hidden = hidden + _batched_linear(F.silu(gate) * up, layer.down_weight, None)
+            gate, up = layer.gate_up(x.to(low)).split(self.intermediate, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
         hidden = _rms_norm(hidden, self.final_norm, self.final_eps)
-        return _batched_linear(hidden.to(low), self.lm_head, self.lm_head_bias).view(total, -1)
+        return self.lm_head(hidden.to(low)).view(total, -1)
 
 
 @dataclass
@@ -354,7 +349,7 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
         attn, mlp = layer.self_attn, layer.mlp
         qkv_weight, qkv_bias = _fused_qkv(attn)
         x = _rms_norm(hidden, layer.input_layernorm.weight, _eps(layer.input_layernorm))
-        qkv = F.linear(x.to(low), qkv_weight.to(low), None if qkv_bias is None else qkv_bias.to(low))
+        qkv = onednn.linear(x.to(low), qkv_weight.to(low), None if qkv_bias is None else qkv_bias.to(low))
         query_key = _rope(qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, head_dim), *rotary).to(low)
         query, key = query_key[:, :heads], query_key[:, heads:]
         value = qkv[:, q_size + kv_size:].view(-1, kv_heads, head_dim)
@@ -387,24 +382,58 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
 
         attended = torch.cat([attended_prompt, attended.reshape(rows * steps, q_size)])
         o_bias = None if attn.o_proj.bias is None else attn.o_proj.bias.to(low)
-        hidden = hidden + F.linear(attended, attn.o_proj.weight.to(low), o_bias)
+        hidden = hidden + onednn.linear(attended, attn.o_proj.weight.to(low), o_bias)
         x = _rms_norm(hidden, layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm))
-        gate, up = F.linear(x.to(low), _fused_gate_up(mlp).to(low)).chunk(2, dim=-1)
-        hidden = hidden + F.linear(F.silu(gate) * up, mlp.down_proj.weight.to(low))
+        gate, up = onednn.linear(x.to(low), _fused_gate_up(mlp).to(low)).chunk(2, dim=-1)
+        hidden = hidden + onednn.linear(F.silu(gate) * up, mlp.down_proj.weight.to(low))
 
     # The prompt's last position predicts each completion's first token; completion j predicts j + 1.
     last = hidden[:prompt_tokens].view(prompts, width, -1)[:, -1].repeat_interleave(k, dim=0)
     outputs = torch.cat([last.unsqueeze(1), hidden[prompt_tokens:].view(rows, steps, hidden.shape[-1])], dim=1)
     outputs = _rms_norm(outputs, inner.norm.weight, _eps(inner.norm))
     head_bias = None if model.lm_head.bias is None else model.lm_head.bias.to(low)
-    return F.linear(outputs.to(low), model.lm_head.weight.to(low), head_bias).float()
+    return onednn.linear(outputs.to(low), model.lm_head.weight.to(low), head_bias).float()
 
 
-def _batched_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x (A, rows, in) @ weight_t (A, in, out) [+ bias (A, 1, out)]: each agent's F.linear in one call."""
-    if bias is None:
-        return torch.bmm(x, weight_t)
-    return torch.baddbmm(bias, x, weight_t)
+class _AgentProjections:
+    """One projection (QKV, output, gate/up, down or LM head) of every agent of a
+    StackedLeanDecoder: (A, rows, in) -> (A, rows, out), agent a's rows through agent a's weight.
+
+    On the CPU each agent's weight is reordered once per sampling call into oneDNN's blocked layout
+    (`onednn.PackedLinear`), and each decode step makes one call per agent: at decode sizes (8-32
+    rows) that beats one batched matmul over stacked weights, which reorders (bf16) or runs MKL's
+    AVX2 code (fp32) on every step (medium tiny model, 2 agents x 16 rows, one step's projections:
+    bf16 1.40 -> 0.92 ms, fp32 3.39 -> 1.90 ms). Elsewhere the weights are stacked on a leading
+    agent dimension for one batched matmul per step (one agent's weight is used as a view)."""
+
+    def __init__(self, weights: List[torch.Tensor], biases: List[Optional[torch.Tensor]]):
+        self.packed = onednn.AVAILABLE and weights[0].device.type == "cpu"
+        if self.packed:
+            self.linears = [onednn.PackedLinear(w, b) for w, b in zip(weights, biases)]
+            return
+        single = len(weights) == 1
+        self.weight = (weights[0].unsqueeze(0) if single else torch.stack(weights)).transpose(1, 2)  # (A, in, out)
+        self.bias = None if biases[0] is None else (
+            biases[0].unsqueeze(0) if single else torch.stack(biases)).unsqueeze(1)  # (A, 1, out)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            outputs = [linear(x[a]) for a, linear in enumerate(self.linears)]
+            return outputs[0].unsqueeze(0) if len(outputs) == 1 else torch.stack(outputs)
+        if self.bias is None:
+            return torch.bmm(x, self.weight)
+        return torch.baddbmm(self.bias, x, self.weight)
+
+
+@dataclass
+class _StackedLayer:
+    input_norm: torch.Tensor  # (A, 1, hidden)
+    qkv: _AgentProjections
+    o: _AgentProjections
+    post_norm: torch.Tensor
+    gate_up: _AgentProjections
+    down: _AgentProjections
+    eps: float
 
 
 def _head_shape(config) -> Tuple[int, int, int]:

@@ -561,7 +561,7 @@ class MAGRPOTrainer:
         trained_tokens = float(mask.sum())
         prompt_width = int(samples.prompt_mask[nodes].any(dim=0).sum())
         budget = a.max_forward_tokens or (1024 if device.type == "cpu" else 65536)
-        coarse_widths = dtype is not None and device.type == "cpu"
+        coarse_widths = device.type == "cpu"
         nodes_per_chunk = max(1, budget // (prompt_width + k * int(mask.sum(dim=1).max())))
         total = 0.0
         for start in range(0, len(nodes_local), nodes_per_chunk):
