@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from comlrl.losses import _transformers_shared_prompt_logits, completion_mask, shared_prompt_token_logprobs
+from comlrl.models import onednn
 from comlrl.models.lean import shared_prompt_logits
 from comlrl.precision import autocast, training_attention
 
@@ -49,9 +50,15 @@ def _both(model, steps, dtype):
     return lean * trained, reference * trained, lean_grads, reference_grads
 
 
+@pytest.mark.parametrize("products", ["f-linear", "onednn"])
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("steps", [9, 1])
-def test_lean_forward_matches_the_model_in_fp32(name, steps):
+def test_lean_forward_matches_the_model_in_fp32(name, steps, products, monkeypatch):
+    """fp32 projections run through `F.linear` (small weights, as here) or oneDNN (forced here)."""
+    if products == "onednn":
+        if not onednn.AVAILABLE:
+            pytest.skip("this torch build has no oneDNN")
+        monkeypatch.setattr(onednn, "MIN_FP32_WEIGHT_ELEMENTS", 0)
     lean, reference, lean_grads, reference_grads = _both(MODELS[name](), steps, None)
     assert lean.shape == reference.shape == (6, steps, 97)
     assert torch.allclose(lean, reference, atol=1e-5, rtol=1e-5)

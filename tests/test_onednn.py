@@ -11,6 +11,12 @@ from comlrl.models import onednn
 needs_onednn = pytest.mark.skipif(not onednn.AVAILABLE, reason="this torch build has no oneDNN")
 
 
+@pytest.fixture
+def any_size(monkeypatch):
+    """Send fp32 weights of every size through oneDNN (the small ones here would stay on F.linear)."""
+    monkeypatch.setattr(onednn, "MIN_FP32_WEIGHT_ELEMENTS", 0)
+
+
 def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     got, expected = got.detach(), expected.detach()
     return float((got - expected).abs().max() / expected.abs().max())
@@ -19,7 +25,7 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 @needs_onednn
 @pytest.mark.parametrize("shape", [(37, 48), (3, 5, 48)], ids=["2d", "3d"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-def test_linear_matches_f_linear_forward_and_backward(shape, with_bias):
+def test_linear_matches_f_linear_forward_and_backward(shape, with_bias, any_size):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=generator).requires_grad_()
     weight = torch.randn(24, 48, generator=generator).requires_grad_()
@@ -44,14 +50,19 @@ def test_linear_matches_f_linear_forward_and_backward(shape, with_bias):
     assert "_Linear" in type(node).__name__  # really the oneDNN path
 
 
-def test_linear_leaves_non_fp32_tensors_to_f_linear():
+def test_linear_leaves_non_fp32_tensors_and_small_weights_to_f_linear():
     x, weight = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16)
     assert torch.equal(onednn.linear(x, weight), F.linear(x, weight))
+    x, weight = torch.randn(4, 8, requires_grad=True), torch.randn(3, 8)
+    small = onednn.linear(x, weight)
+    assert torch.equal(small, F.linear(x, weight)) and "_Linear" not in type(small.grad_fn).__name__
+    assert not onednn.PackedLinear(weight).packed
+    assert onednn.PackedLinear(weight.bfloat16()).packed == onednn.AVAILABLE  # bf16 is packed at any size
 
 
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_packed_linear_matches_f_linear_and_rows_do_not_depend_on_the_batch(dtype):
+def test_packed_linear_matches_f_linear_and_rows_do_not_depend_on_the_batch(dtype, any_size):
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(96, 64, generator=generator).to(dtype)
     bias = torch.randn(96, generator=generator).to(dtype)

@@ -33,14 +33,15 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 @dataclass
 class _Layer:
+    """One agent's decoder layer: norm weights, and its projections as `onednn.PackedLinear`s
+    (packed for oneDNN on the CPU, plain weight and bias elsewhere)."""
+
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor
-    qkv_bias: Optional[torch.Tensor]
-    o_weight: torch.Tensor
-    o_bias: Optional[torch.Tensor]
+    qkv: onednn.PackedLinear
+    o: onednn.PackedLinear
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor
-    down_weight: torch.Tensor
+    gate_up: onednn.PackedLinear
+    down: onednn.PackedLinear
     eps: float
 
 
@@ -67,9 +68,10 @@ def lean_decoder_for(model, compute_dtype: Optional[torch.dtype] = None,
 
 
 class LeanDecoder:
-    """One agent's decode weights: a snapshot of (fused copies of) its current weights, cast to
-    `compute_dtype` when one is given. Build one per sampling call; `StackedLeanDecoder` decodes
-    with one or several of them."""
+    """One agent's decode weights: a snapshot of its current projections (QKV and gate/up fused),
+    cast to `compute_dtype` when one is given and, on the CPU, reordered for oneDNN
+    (`onednn.PackedLinear`), one layer at a time so that no second copy of every weight is alive at
+    once. Build one per sampling call; `StackedLeanDecoder` decodes with one or several of them."""
 
     def __init__(self, model, compute_dtype: Optional[torch.dtype] = None,
                  attention_dtype: Optional[torch.dtype] = None):
@@ -80,41 +82,39 @@ class LeanDecoder:
         on_cpu = inner.embed_tokens.weight.device.type == "cpu"
         self.attention_dtype = attention_dtype or (self.dtype if on_cpu else self.compute_dtype)  # cache, attention
 
-        def cast(weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if weight is None else weight.to(self.compute_dtype)
+        def projection(weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> onednn.PackedLinear:
+            return onednn.PackedLinear(weight.to(self.compute_dtype),
+                                       None if bias is None else bias.to(self.compute_dtype))
 
         self.num_heads, self.num_kv_heads, self.head_dim = _head_shape(config)
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight
         self.final_eps = _eps(inner.norm)
-        self.lm_head = cast(model.lm_head.weight)
-        self.lm_head_bias = cast(model.lm_head.bias)
+        self.lm_head = projection(model.lm_head.weight, model.lm_head.bias)
         self.rotary = inner.rotary_emb
         self.layers: List[_Layer] = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv_weight, qkv_bias = _fused_qkv(attn)
             self.layers.append(_Layer(
                 input_norm=layer.input_layernorm.weight,
-                qkv_weight=cast(qkv_weight),
-                qkv_bias=cast(qkv_bias),
-                o_weight=cast(attn.o_proj.weight),
-                o_bias=cast(attn.o_proj.bias),
+                qkv=projection(*_fused_qkv(attn)),
+                o=projection(attn.o_proj.weight, attn.o_proj.bias),
                 post_norm=layer.post_attention_layernorm.weight,
-                gate_up_weight=cast(_fused_gate_up(mlp)),
-                down_weight=cast(mlp.down_proj.weight),
+                gate_up=projection(_fused_gate_up(mlp)),
+                down=projection(mlp.down_proj.weight),
                 eps=_eps(layer.input_layernorm),
             ))
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.intermediate = self.layers[0].gate_up_weight.shape[0] // 2
+        self.intermediate = self.layers[0].gate_up.out_features // 2
 
 
 class StackedLeanDecoder:
     """Decode one token per row against a preallocated KV cache, for one agent or several of one
-    architecture at once: each agent's weights are stacked on a leading agent dimension, so every
-    projection is one batched matmul for all agents and every elementwise op and attention call
-    runs once over all agents' rows (rows are agent-major).
+    architecture at once: every elementwise op and attention call runs once over all agents' rows
+    (rows are agent-major, with a leading agent dimension), and each projection is one call per
+    agent on its oneDNN-packed weight (CPU) or one batched matmul over the stacked weights
+    (elsewhere; see `_AgentProjections`).
 
     At RL sizes a decode step costs mostly per-call overhead (a projection of 8-16 rows is ~50 us
     whatever its width), so two agents decode in little more than the time of one. A row computes
@@ -130,25 +130,25 @@ class StackedLeanDecoder:
                      "q_size", "kv_size", "intermediate", "final_eps", "rotary"):  # rotary: one for all (fusion_signature)
             setattr(self, name, getattr(first, name))
         self.vocab = first.embed.shape[0]
-        # One agent's weights are used as views; several are copied into stacked tensors, once per
-        # sampling call (see `fuse_decoding` for when that pays).
+        # One agent's embeddings are used as a view; several agents' are concatenated, once per
+        # sampling call (see `fuse_decoding` for when stacking agents pays).
         self.embed = torch.cat([d.embed for d in decoders]) if self.count > 1 else first.embed  # row a*vocab+t
 
         def stack(vectors):  # (A, 1, n)
             return (torch.stack(vectors) if len(vectors) > 1 else vectors[0].unsqueeze(0)).unsqueeze(1)
 
         self.final_norm = stack([d.final_norm for d in decoders])
-        self.lm_head = _AgentProjections([d.lm_head for d in decoders], [d.lm_head_bias for d in decoders])
+        self.lm_head = _AgentProjections([d.lm_head for d in decoders])
         self.layers: List[_StackedLayer] = []
         for index in range(len(first.layers)):
             layers = [d.layers[index] for d in decoders]
             self.layers.append(_StackedLayer(
                 input_norm=stack([layer.input_norm for layer in layers]),
-                qkv=_AgentProjections([layer.qkv_weight for layer in layers], [layer.qkv_bias for layer in layers]),
-                o=_AgentProjections([layer.o_weight for layer in layers], [layer.o_bias for layer in layers]),
+                qkv=_AgentProjections([layer.qkv for layer in layers]),
+                o=_AgentProjections([layer.o for layer in layers]),
                 post_norm=stack([layer.post_norm for layer in layers]),
-                gate_up=_AgentProjections([layer.gate_up_weight for layer in layers], [None] * len(layers)),
-                down=_AgentProjections([layer.down_weight for layer in layers], [None] * len(layers)),
+                gate_up=_AgentProjections([layer.gate_up for layer in layers]),
+                down=_AgentProjections([layer.down for layer in layers]),
                 eps=layers[0].eps,
             ))
 
@@ -255,8 +255,9 @@ FUSE_MAX_PARAMETERS = 50_000_000
 
 
 def fuse_decoding(model) -> bool:
-    """Whether agents like `model` should decode as one stacked batch. Stacking copies every weight
-    once per sampling call and saves per-call overhead on every step: a clear gain for small models,
+    """Whether agents like `model` should decode as one stacked batch. Stacking copies weights once
+    per sampling call (every projection off the CPU, where they are stacked for batched matmuls; the
+    embeddings everywhere) and saves per-call overhead on every step: a clear gain for small models,
     whose decode steps are bound by per-call costs (two medium tiny agents decode in little more
     than the time of one), and a loss for large ones, whose steps are bound by reading the weights
     (copying one Qwen2.5-0.5B-shaped agent's weights took ~0.8 s per sampling call on the CPU)."""
@@ -269,13 +270,16 @@ def fusion_signature(decoder: LeanDecoder) -> tuple:
     def shape(t):
         return None if t is None else (tuple(t.shape), t.dtype, t.device)
 
-    layer_shapes = tuple((shape(l.input_norm), shape(l.qkv_weight), shape(l.qkv_bias), shape(l.o_weight),
-                          shape(l.o_bias), shape(l.post_norm), shape(l.gate_up_weight), shape(l.down_weight), l.eps)
+    def projection(p: onednn.PackedLinear):
+        return shape(p.weight), shape(p.bias), p.packed
+
+    layer_shapes = tuple((shape(l.input_norm), projection(l.qkv), projection(l.o), shape(l.post_norm),
+                          projection(l.gate_up), projection(l.down), l.eps)
                          for l in decoder.layers)
     rotary = decoder.rotary
     inv_freq = getattr(rotary, "inv_freq", None)
     return (decoder.dtype, decoder.compute_dtype, decoder.attention_dtype, decoder.num_heads, decoder.num_kv_heads,
-            decoder.head_dim, shape(decoder.embed), shape(decoder.lm_head), shape(decoder.lm_head_bias),
+            decoder.head_dim, shape(decoder.embed), projection(decoder.lm_head),
             decoder.final_eps, layer_shapes, type(rotary).__name__, getattr(rotary, "attention_scaling", None),
             None if inv_freq is None else tuple(inv_freq.tolist()))
 
@@ -399,18 +403,19 @@ class _AgentProjections:
     """One projection (QKV, output, gate/up, down or LM head) of every agent of a
     StackedLeanDecoder: (A, rows, in) -> (A, rows, out), agent a's rows through agent a's weight.
 
-    On the CPU each agent's weight is reordered once per sampling call into oneDNN's blocked layout
-    (`onednn.PackedLinear`), and each decode step makes one call per agent: at decode sizes (8-32
-    rows) that beats one batched matmul over stacked weights, which reorders (bf16) or runs MKL's
-    AVX2 code (fp32) on every step (medium tiny model, 2 agents x 16 rows, one step's projections:
-    bf16 1.40 -> 0.92 ms, fp32 3.39 -> 1.90 ms). Elsewhere the weights are stacked on a leading
-    agent dimension for one batched matmul per step (one agent's weight is used as a view)."""
+    On the CPU each agent's weight comes reordered for oneDNN (`onednn.PackedLinear`), and a decode
+    step makes one call per agent: at decode sizes (8-32 rows) that beats one batched matmul over
+    stacked weights, which reorders the weights (bf16) or runs MKL's AVX2 code (fp32) on every step
+    (medium tiny model, 2 agents x 16 rows, one step's projections: bf16 1.40 -> 0.92 ms, fp32
+    3.39 -> 1.90 ms). Elsewhere the weights are stacked on a leading agent dimension for one batched
+    matmul per step (one agent's weight is used as a view)."""
 
-    def __init__(self, weights: List[torch.Tensor], biases: List[Optional[torch.Tensor]]):
-        self.packed = onednn.AVAILABLE and weights[0].device.type == "cpu"
+    def __init__(self, projections: List[onednn.PackedLinear]):
+        self.packed = all(p.packed for p in projections)
         if self.packed:
-            self.linears = [onednn.PackedLinear(w, b) for w, b in zip(weights, biases)]
+            self.linears = projections
             return
+        weights, biases = [p.weight for p in projections], [p.bias for p in projections]
         single = len(weights) == 1
         self.weight = (weights[0].unsqueeze(0) if single else torch.stack(weights)).transpose(1, 2)  # (A, in, out)
         self.bias = None if biases[0] is None else (
