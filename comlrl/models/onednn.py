@@ -1,7 +1,7 @@
 """Linear layers on the CPU through oneDNN, for the lean decode and training forwards.
 
 PyTorch runs fp32 `F.linear`/`mm` on the CPU through MKL's sgemm, and MKL takes its AVX-512 code
-only on Intel processors: on AMD EPYC (Zen 4/5) it runs the AVX2 code at about half the speed the
+only on Intel processors: on AMD EPYC (measured on Zen 5) it runs the AVX2 code at about half the speed the
 core can do. oneDNN, which PyTorch also ships (and already uses for bf16 products), runs AVX-512 on
 any x86 CPU that has it. Measured on an AMD EPYC (Zen 5), one thread, 1024 x 256 -> 1024 fp32:
 `F.linear` 5.4 ms, oneDNN 2.3-2.5 ms, and the same for the two backward products. oneDNN is used
