@@ -121,14 +121,12 @@ def draw_tokens(logits: torch.Tensor, uniforms: torch.Tensor, settings: Sampling
 
 
 @dataclass
-class _Prefilled:
-    """One agent's batch after its prompts' prefill: the state its decode steps start from."""
+class _PromptBatch:
+    """One agent's prompts as its decode starts from them."""
 
     prompts: List[str]
     prompt_ids: torch.Tensor  # (B, W) left-padded
     prompt_mask: torch.Tensor  # (B, W)
-    cache: Any  # transformers cache, one row per prompt (its K samples share it)
-    logits: torch.Tensor  # (B*K, vocab) for the first completion token
     positions: torch.Tensor  # (B*K, 1) position of the last prompt token
     uniforms: torch.Tensor  # (B*K, max_new) one pre-drawn uniform per row and step
     eos_ids: List[int]
@@ -148,27 +146,32 @@ def _encode_prompts(tokenizer, prompts: Sequence[str], pad_id: int, coarse: bool
     return F.pad(enc["input_ids"], (extra, 0), value=pad_id), F.pad(enc["attention_mask"], (extra, 0), value=0)
 
 
-def _prefill(model, prompts, prompt_ids, prompt_mask, settings: SamplingSettings, keys, eos_ids, pad_id,
-             compute_dtype) -> _Prefilled:
-    """Run each prompt through the model once; its KV cache is then shared by its K samples."""
-    device = prompt_ids.device
+def _prompt_batch(prompts, prompt_ids, prompt_mask, settings: SamplingSettings, keys, eos_ids, pad_id) -> _PromptBatch:
+    """One agent's prompts with their rows' positions and pre-drawn uniforms."""
     k, max_new = settings.num_generations, settings.max_new_tokens
     if len(keys) != len(prompts):
         raise ValueError(f"sample_completions got {len(keys)} keys for {len(prompts)} prompts; pass one key per prompt.")
     uniforms = torch.stack([
         torch.rand(max_new, generator=torch.Generator().manual_seed(sample_seed((key, j))), dtype=torch.float64)
         for key in keys for j in range(k)
-    ]).to(device)
-    cache = DynamicCache(config=model.config)
+    ]).to(prompt_ids.device)
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
-    with autocast(device, compute_dtype):
-        logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-                       logits_to_keep=1, **{lean_cache_argument(model): cache}).logits[:, -1, :].float()
-    return _Prefilled(list(prompts), prompt_ids, prompt_mask, cache, logits.repeat_interleave(k, dim=0),
-                      positions[:, -1:].repeat_interleave(k, dim=0), uniforms, eos_ids, pad_id)
+    return _PromptBatch(list(prompts), prompt_ids, prompt_mask, positions[:, -1:].repeat_interleave(k, dim=0),
+                        uniforms, eos_ids, pad_id)
 
 
-def _finish(tokenizer, state: _Prefilled, generated: torch.Tensor) -> AgentSamples:
+def _model_prefill(model, batch: _PromptBatch, compute_dtype):
+    """(next-token logits (B, vocab), transformers KV cache): each prompt through the model's own
+    forward once (for architectures without a lean decoder)."""
+    cache = DynamicCache(config=model.config)
+    positions = (batch.prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+    with autocast(batch.prompt_ids.device, compute_dtype):
+        logits = model(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, position_ids=positions,
+                       use_cache=True, logits_to_keep=1, **{lean_cache_argument(model): cache}).logits[:, -1, :]
+    return logits, cache
+
+
+def _finish(tokenizer, state: _PromptBatch, generated: torch.Tensor) -> AgentSamples:
     """AgentSamples from one agent's generated columns, cut after its longest completion."""
     mask = completion_mask(generated, state.eos_ids)
     lengths = mask.sum(dim=1)
@@ -246,43 +249,44 @@ def _sample_group(models, tokenizers, prompts, settings: SamplingSettings, keys,
     for model in models:
         model.eval()
     try:
-        states = [_prefill(m, p, ids.to(device), mask.to(device), settings, key, eos, pad, compute_dtype)
-                  for m, p, (ids, mask), key, eos, pad in zip(models, prompts, encoded, keys, eos_ids, pad_ids)]
+        states = [_prompt_batch(p, ids.to(device), mask.to(device), settings, key, eos, pad)
+                  for p, (ids, mask), key, eos, pad in zip(prompts, encoded, keys, eos_ids, pad_ids)]
         generated = _decode(models[0], states, settings, compute_dtype, leans, width)
     finally:
         for model, training in zip(models, was_training):
             model.train(training)
-    rows = states[0].logits.shape[0]
+    rows = states[0].positions.shape[0]
     return [_finish(t, s, generated[i * rows:(i + 1) * rows]) for i, (t, s) in enumerate(zip(tokenizers, states))]
 
 
-def _decode(model, states: List[_Prefilled], settings: SamplingSettings, compute_dtype, leans, width: int) -> torch.Tensor:
-    """Decode every row of every state to EOS or max_new_tokens; returns the (rows, steps) tokens,
-    agent-major. The states go through one StackedLeanDecoder, or (one state) through the model's
-    own forward where the architecture has no lean decoder."""
-    device = states[0].logits.device
-    max_new = settings.max_new_tokens
-    logits = torch.cat([s.logits for s in states])
+def _decode(model, states: List[_PromptBatch], settings: SamplingSettings, compute_dtype, leans, width: int) -> torch.Tensor:
+    """Prefill and decode every row of every state to EOS or max_new_tokens; returns the (rows,
+    steps) tokens, agent-major. The states go through one StackedLeanDecoder, or (one state)
+    through the model's own forward where the architecture has no lean decoder."""
+    device = states[0].prompt_ids.device
+    max_new, k = settings.max_new_tokens, settings.num_generations
+    decoder = None
+    if leans[0] is not None:
+        decoder = StackedLeanDecoder(leans)
+        del leans[:]  # the stacked copies now hold what decoding needs
+        logits, cache = decoder.prefill(torch.cat([s.prompt_ids for s in states]),
+                                        torch.cat([s.prompt_mask for s in states]), k, max_new)
+    else:
+        logits, cache = _model_prefill(model, states[0], compute_dtype)
+        cache.batch_repeat_interleave(k)  # the model's forward wants one cache row per row
+    logits = logits.float().repeat_interleave(k, dim=0)  # each prompt's K samples start alike
     uniforms = torch.cat([s.uniforms for s in states])
     positions = torch.cat([s.positions for s in states])
     rows = logits.shape[0]
     attention = torch.ones(rows, width + max_new, dtype=states[0].prompt_mask.dtype, device=device)
-    attention[:, :width] = torch.cat([s.prompt_mask.repeat_interleave(settings.num_generations, dim=0) for s in states])
+    attention[:, :width] = torch.cat([s.prompt_mask.repeat_interleave(k, dim=0) for s in states])
     pad_id = states[0].pad_id
     eos = torch.tensor(states[0].eos_ids, device=device)
     generated = torch.full((rows, max_new), pad_id, dtype=torch.long, device=device)
     unfinished = torch.ones(rows, dtype=torch.bool, device=device)
-    decoder, cache = None, states[0].cache
-    if leans[0] is not None:
-        decoder = StackedLeanDecoder(leans)
-        cache = decoder.allocate_cache([s.cache for s in states], settings.num_generations, max_new)
-        del leans[:]  # the stacked copies now hold what decoding needs
-        for state in states:
-            state.cache = None  # copied into the decode cache
+    if decoder is not None:
         bias = decoder.attention_bias(attention)
         cos, sin = decoder.rotary_table(positions + torch.arange(1, max_new + 1, device=device))
-    else:
-        cache.batch_repeat_interleave(settings.num_generations)  # the model's forward wants one cache row per row
     steps = 0
     for t in range(max_new):
         tokens = draw_tokens(logits, uniforms[:, t].to(logits.dtype), settings)

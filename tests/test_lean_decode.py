@@ -37,17 +37,13 @@ def _lean_and_reference_logits(model, compute_dtype=None, attention_dtype=None):
     lean = lean_decoder_for(model, compute_dtype, attention_dtype)
     assert lean is not None
     with torch.no_grad(), autocast(torch.device("cpu"), compute_dtype):
-        positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
-        cache = DynamicCache(config=model.config)
-        model(input_ids=prompt, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-              **{cache_argument(model): cache})
         full_ids = torch.cat([prompt.repeat_interleave(2, dim=0), continuation], 1)
         full_mask = torch.cat([prompt_mask.repeat_interleave(2, dim=0), torch.ones(4, 3, dtype=torch.long)], 1)
         full_positions = (full_mask.cumsum(1) - 1).clamp(min=0)
         reference = model(input_ids=full_ids, attention_mask=full_mask, position_ids=full_positions).logits[:, 5:]
     with torch.no_grad():
         decoder = StackedLeanDecoder([lean])
-        buffers = decoder.allocate_cache([cache], 2, 3)
+        _, buffers = decoder.prefill(prompt, prompt_mask, 2, 3)
         bias = decoder.attention_bias(full_mask)
         cos, sin = decoder.rotary_table(full_positions[:, 5:])
         steps = [decoder.step(continuation[:, t], (cos[:, t], sin[:, t]), buffers, t, bias) for t in range(3)]
@@ -58,6 +54,36 @@ def _lean_and_reference_logits(model, compute_dtype=None, attention_dtype=None):
 def test_lean_steps_match_the_model_forward_with_left_padding(model):
     lean, reference = _lean_and_reference_logits(model)
     assert torch.allclose(lean, reference, atol=1e-5, rtol=1e-5)
+
+
+def _layer_kv(cache, index: int):
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return layers[index].keys, layers[index].values
+    return cache.key_cache[index], cache.value_cache[index]  # older transformers
+
+
+@pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
+def test_lean_prefill_matches_the_model_forward_with_left_padding(model):
+    """The lean prefill's next-token logits, and the keys and values it writes into the decode
+    cache's shared prefix at every real prompt token, are the model's own."""
+    prompt = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])  # row 0 left-padded
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
+        reference = model(input_ids=prompt, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
+                          **{cache_argument(model): cache}).logits[:, -1]
+        logits, buffers = StackedLeanDecoder([lean_decoder_for(model)]).prefill(prompt, prompt_mask, 2, 3)
+    assert torch.allclose(logits, reference, atol=1e-5, rtol=1e-5)
+    real = prompt_mask.bool()
+    for index in range(len(model.model.layers)):
+        keys, values = _layer_kv(cache, index)  # (prompts, kv, width, D)
+        lean_keys = buffers.prefix_keys[index].permute(0, 3, 1, 2)  # stored (prompts, kv, D, width)
+        assert torch.allclose(lean_keys[real], keys.transpose(1, 2)[real], atol=1e-5, rtol=1e-5)
+        assert torch.allclose(buffers.prefix_values[index].transpose(1, 2)[real], values.transpose(1, 2)[real],
+                              atol=1e-5, rtol=1e-5)
+    assert buffers.keys[0].shape == (4, model.config.num_key_value_heads, 16, 3)  # 2 samples per prompt, 3 new
 
 
 @pytest.mark.parametrize("attention_dtype", [None, torch.bfloat16], ids=["cpu-attention-fp32", "gpu-attention-bf16"])
