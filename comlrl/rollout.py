@@ -275,7 +275,7 @@ def _decode(model, states: List[_PromptBatch], settings: SamplingSettings, compu
         logits, cache = _model_prefill(model, states[0], compute_dtype)
         cache.batch_repeat_interleave(k)  # the model's forward wants one cache row per row
     logits = logits.float().repeat_interleave(k, dim=0)  # each prompt's K samples start alike
-    uniforms = torch.cat([s.uniforms for s in states])
+    uniforms = torch.cat([s.uniforms for s in states]).to(logits.dtype).t().contiguous()  # (max_new, rows)
     positions = torch.cat([s.positions for s in states])
     rows = logits.shape[0]
     attention = torch.ones(rows, width + max_new, dtype=states[0].prompt_mask.dtype, device=device)
@@ -283,22 +283,22 @@ def _decode(model, states: List[_PromptBatch], settings: SamplingSettings, compu
     pad_id = states[0].pad_id
     eos = torch.tensor(states[0].eos_ids, device=device)
     generated = torch.full((rows, max_new), pad_id, dtype=torch.long, device=device)
-    unfinished = torch.ones(rows, dtype=torch.bool, device=device)
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
     if decoder is not None:
         bias = decoder.attention_bias(attention)
-        cos, sin = decoder.rotary_table(positions + torch.arange(1, max_new + 1, device=device))
+        # Step-major, so that each step's rotations are one contiguous block.
+        rotations = decoder.rotary_table(positions + torch.arange(1, max_new + 1, device=device)).transpose(0, 1).contiguous()
     steps = 0
     for t in range(max_new):
-        tokens = draw_tokens(logits, uniforms[:, t].to(logits.dtype), settings)
-        tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad_id))
+        tokens = draw_tokens(logits, uniforms[t], settings).masked_fill_(finished, pad_id)
         generated[:, t] = tokens
         steps = t + 1
-        unfinished &= ~torch.isin(tokens, eos)
-        if t + 1 == max_new or not bool(unfinished.any()):
+        finished |= torch.isin(tokens, eos)
+        if t + 1 == max_new or bool(finished.all()):
             break
         positions = positions + 1
         if decoder is not None:
-            logits = decoder.step(tokens, (cos[:, t], sin[:, t]), cache, t, bias).float()
+            logits = decoder.step(tokens, rotations[t], cache, t, bias).float()
         else:
             with autocast(device, compute_dtype):
                 logits = model(input_ids=tokens.unsqueeze(1), attention_mask=attention[:, : width + t + 1],

@@ -45,8 +45,8 @@ def _lean_and_reference_logits(model, compute_dtype=None, attention_dtype=None):
         decoder = StackedLeanDecoder([lean])
         _, buffers = decoder.prefill(prompt, prompt_mask, 2, 3)
         bias = decoder.attention_bias(full_mask)
-        cos, sin = decoder.rotary_table(full_positions[:, 5:])
-        steps = [decoder.step(continuation[:, t], (cos[:, t], sin[:, t]), buffers, t, bias) for t in range(3)]
+        rotation = decoder.rotary_table(full_positions[:, 5:])
+        steps = [decoder.step(continuation[:, t], rotation[:, t], buffers, t, bias) for t in range(3)]
     return torch.stack(steps, dim=1).float(), reference.float()
 
 
@@ -77,13 +77,17 @@ def test_lean_prefill_matches_the_model_forward_with_left_padding(model):
         logits, buffers = StackedLeanDecoder([lean_decoder_for(model)]).prefill(prompt, prompt_mask, 2, 3)
     assert torch.allclose(logits, reference, atol=1e-5, rtol=1e-5)
     real = prompt_mask.bool()
+    # The decode cache holds keys with each head's rotary pairs adjacent (see LeanDecoder).
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    pairs_adjacent = lean_module._rotary_pairs_adjacent(1, head_dim)
     for index in range(len(model.model.layers)):
         keys, values = _layer_kv(cache, index)  # (prompts, kv, width, D)
+        keys = keys[..., pairs_adjacent]
         lean_keys = buffers.prefix_keys[index].permute(0, 3, 1, 2)  # stored (prompts, kv, D, width)
         assert torch.allclose(lean_keys[real], keys.transpose(1, 2)[real], atol=1e-5, rtol=1e-5)
         assert torch.allclose(buffers.prefix_values[index].transpose(1, 2)[real], values.transpose(1, 2)[real],
                               atol=1e-5, rtol=1e-5)
-    assert buffers.keys[0].shape == (4, model.config.num_key_value_heads, 16, 3)  # 2 samples per prompt, 3 new
+    assert buffers.keys[0].shape == (4, model.config.num_key_value_heads, head_dim, 3)  # 2 samples per prompt, 3 new
 
 
 @pytest.mark.parametrize("attention_dtype", [None, torch.bfloat16], ids=["cpu-attention-fp32", "gpu-attention-bf16"])

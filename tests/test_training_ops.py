@@ -5,8 +5,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, rotate_half
+
 from comlrl.models import training_ops
-from comlrl.models.lean import _rms_norm, _rope
+
+
+def _model_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    norm = Qwen2RMSNorm(x.shape[-1], eps=eps)
+    norm.weight.data.copy_(weight)
+    with torch.no_grad():
+        return norm(x)
 
 
 def _double(*shape, seed: int) -> torch.Tensor:
@@ -17,10 +25,10 @@ def test_rms_norm_forward_is_the_models_and_backward_passes_gradcheck():
     x, weight = _double(5, 3, 8, seed=0).requires_grad_(), _double(8, seed=1).requires_grad_()
     assert torch.autograd.gradcheck(lambda a, w: training_ops.rms_norm(a, w, 1e-6), (x, weight))
     x, weight = x.detach().float(), weight.detach().float()  # the model's dtype: the same ops as its norm
-    assert torch.equal(training_ops.rms_norm(x, weight, 1e-6), _rms_norm(x, weight, 1e-6))
+    assert torch.equal(training_ops.rms_norm(x, weight, 1e-6), _model_norm(x, weight, 1e-6))
     cast = training_ops.rms_norm(x, weight, 1e-6, torch.bfloat16)
     assert cast.dtype == torch.bfloat16
-    assert torch.equal(cast, _rms_norm(x, weight, 1e-6).to(torch.bfloat16))
+    assert torch.equal(cast, _model_norm(x, weight, 1e-6).to(torch.bfloat16))
 
 
 def test_swiglu_forward_is_silu_gate_times_up_and_backward_passes_gradcheck():
@@ -30,10 +38,11 @@ def test_swiglu_forward_is_silu_gate_times_up_and_backward_passes_gradcheck():
     assert torch.autograd.gradcheck(training_ops.swiglu, (gate_up,))
 
 
-def test_rotary_forward_is_the_decoders_and_backward_passes_gradcheck():
+def test_rotary_forward_is_the_models_and_backward_passes_gradcheck():
     x = _double(6, 3, 8, seed=3).requires_grad_()
     angles = _double(6, 1, 4, seed=4)
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
-    signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
-    assert torch.equal(training_ops.rotary(x, cos, signed_sin), _rope(x, cos, signed_sin))
+    cos, sin = torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat([angles.sin(), angles.sin()], dim=-1)
+    signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)  # rotate_half's negation, folded in
+    with torch.no_grad():
+        assert torch.equal(training_ops.rotary(x, cos, signed_sin), x * cos + rotate_half(x) * sin)
     assert torch.autograd.gradcheck(lambda a: training_ops.rotary(a, cos, signed_sin), (x,))

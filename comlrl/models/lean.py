@@ -34,13 +34,12 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 @dataclass
 class _Layer:
-    """One agent's decoder layer: norm weights, and its projections as `onednn.PackedLinear`s
-    (packed for oneDNN on the CPU, plain weight and bias elsewhere)."""
+    """One agent's decoder layer: its projections as `onednn.PackedLinear`s (packed for oneDNN on
+    the CPU, plain weight and bias elsewhere), with each RMSNorm's scale folded into the projection
+    that reads the norm's output, and the norms' epsilon."""
 
-    input_norm: torch.Tensor
     qkv: onednn.PackedLinear
     o: onednn.PackedLinear
-    post_norm: torch.Tensor
     gate_up: onednn.PackedLinear
     down: onednn.PackedLinear
     eps: float
@@ -72,7 +71,17 @@ class LeanDecoder:
     """One agent's decode weights: a snapshot of its current projections (QKV and gate/up fused),
     cast to `compute_dtype` when one is given and, on the CPU, reordered for oneDNN
     (`onednn.PackedLinear`), one layer at a time so that no second copy of every weight is alive at
-    once. Build one per sampling call; `StackedLeanDecoder` decodes with one or several of them."""
+    once. Build one per sampling call; `StackedLeanDecoder` decodes with one or several of them.
+
+    Two rewrites save elementwise passes on every decode step without changing the function:
+
+    * each RMSNorm's scale is folded into the input columns of the projection after it
+      (`(w * x) @ W^T = x @ (W diag(w))^T`), so a norm is one call;
+    * the query and key rows of each head are reordered so that rotary pairs (i, i + D/2) sit
+      next to each other, and the rotation is one complex multiply (`_rotate`). Queries and keys
+      are permuted alike, so their dot products, and the attention, are unchanged; the decode
+      cache holds keys in this order.
+    """
 
     def __init__(self, model, compute_dtype: Optional[torch.dtype] = None,
                  attention_dtype: Optional[torch.dtype] = None):
@@ -83,25 +92,29 @@ class LeanDecoder:
         on_cpu = inner.embed_tokens.weight.device.type == "cpu"
         self.attention_dtype = attention_dtype or (self.dtype if on_cpu else self.compute_dtype)  # cache, attention
 
-        def projection(weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> onednn.PackedLinear:
+        def projection(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                       norm: Optional[torch.Tensor] = None) -> onednn.PackedLinear:
+            if norm is not None:
+                weight = weight * norm  # the norm's scale, folded into the input columns
             return onednn.PackedLinear(weight.to(self.compute_dtype),
                                        None if bias is None else bias.to(self.compute_dtype))
 
         self.num_heads, self.num_kv_heads, self.head_dim = _head_shape(config)
         self.embed = inner.embed_tokens.weight
-        self.final_norm = inner.norm.weight
         self.final_eps = _eps(inner.norm)
-        self.lm_head = projection(model.lm_head.weight, model.lm_head.bias)
+        self.lm_head = projection(model.lm_head.weight, model.lm_head.bias, inner.norm.weight)
         self.rotary = inner.rotary_emb
+        qk_rows = _rotary_pairs_adjacent(self.num_heads + self.num_kv_heads, self.head_dim)
         self.layers: List[_Layer] = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            qkv_weight, qkv_bias = _fused_qkv(attn)
+            qkv_rows = torch.cat([qk_rows, torch.arange(qk_rows.numel(), qkv_weight.shape[0])]).to(qkv_weight.device)
             self.layers.append(_Layer(
-                input_norm=layer.input_layernorm.weight,
-                qkv=projection(*_fused_qkv(attn)),
+                qkv=projection(qkv_weight[qkv_rows], None if qkv_bias is None else qkv_bias[qkv_rows],
+                               layer.input_layernorm.weight),
                 o=projection(attn.o_proj.weight, attn.o_proj.bias),
-                post_norm=layer.post_attention_layernorm.weight,
-                gate_up=projection(_fused_gate_up(mlp)),
+                gate_up=projection(_fused_gate_up(mlp), None, layer.post_attention_layernorm.weight),
                 down=projection(mlp.down_proj.weight),
                 eps=_eps(layer.input_layernorm),
             ))
@@ -135,19 +148,14 @@ class StackedLeanDecoder:
         # sampling call (see `fuse_decoding` for when stacking agents pays).
         self.embed = torch.cat([d.embed for d in decoders]) if self.count > 1 else first.embed  # row a*vocab+t
 
-        def stack(vectors):  # (A, 1, n)
-            return (torch.stack(vectors) if len(vectors) > 1 else vectors[0].unsqueeze(0)).unsqueeze(1)
-
-        self.final_norm = stack([d.final_norm for d in decoders])
+        self._token_offsets = torch.zeros(0, dtype=torch.long)
         self.lm_head = _AgentProjections([d.lm_head for d in decoders])
         self.layers: List[_StackedLayer] = []
         for index in range(len(first.layers)):
             layers = [d.layers[index] for d in decoders]
             self.layers.append(_StackedLayer(
-                input_norm=stack([layer.input_norm for layer in layers]),
                 qkv=_AgentProjections([layer.qkv for layer in layers]),
                 o=_AgentProjections([layer.o for layer in layers]),
-                post_norm=stack([layer.post_norm for layer in layers]),
                 gate_up=_AgentProjections([layer.gate_up for layer in layers]),
                 down=_AgentProjections([layer.down for layer in layers]),
                 eps=layers[0].eps,
@@ -178,10 +186,9 @@ class StackedLeanDecoder:
         group = self.num_heads // self.num_kv_heads
         kv, dim = self.num_kv_heads, self.head_dim
         low, att = self.compute_dtype, self.attention_dtype
-        offsets = torch.arange(self.count, device=prompt_ids.device).repeat_interleave(prompts * width) * self.vocab
-        hidden = F.embedding(prompt_ids.reshape(-1) + offsets, self.embed).view(self.count, prompts * width, -1)
+        hidden = F.embedding(prompt_ids.reshape(-1) + self._offsets(tokens), self.embed).view(self.count, prompts * width, -1)
         positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-        cos, sin = _signed_rotary(self.rotary, self.embed, positions)  # (agents * prompts, width, 1, D)
+        rotation = self.rotary_table(positions)  # (agents * prompts, width, 1, D / 2)
         # Causal over each prompt's real tokens; a padding query sees itself only (its row stays finite).
         real = prompt_mask.bool()
         causal = torch.ones(width, width, dtype=torch.bool, device=prompt_ids.device).tril()
@@ -191,10 +198,10 @@ class StackedLeanDecoder:
         scale = dim ** -0.5
         prefix_keys, prefix_values = [], []
         for layer in self.layers:
-            x = _rms_norm(hidden, layer.input_norm, layer.eps)
+            x = _normalize(hidden, layer.eps)
             qkv = layer.qkv(x.to(low)).view(total_prompts, width, -1)
             query_key, value = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            query_key = _rope(query_key.view(total_prompts, width, self.num_heads + kv, dim), cos, sin)
+            query_key = _rotate(query_key.view(total_prompts, width, self.num_heads + kv, dim), rotation)
             query, key = query_key.to(att).split([self.num_heads, kv], dim=2)
             key = key.permute(0, 2, 3, 1).contiguous()  # (agents * prompts, kv, D, W): the cache's layout
             value = value.view(total_prompts, width, kv, dim).transpose(1, 2).to(att).contiguous()
@@ -206,11 +213,11 @@ class StackedLeanDecoder:
             probs = probs.softmax(dim=-1, dtype=torch.float32).to(att).view(total_prompts, kv, group * width, width)
             attended = torch.matmul(probs, value).view(total_prompts, kv, group, width, dim).permute(0, 3, 1, 2, 4)
             hidden = hidden + layer.o(attended.reshape(self.count, prompts * width, self.q_size).to(low))
-            x = _rms_norm(hidden, layer.post_norm, layer.eps)
+            x = _normalize(hidden, layer.eps)
             gate, up = layer.gate_up(x.to(low)).split(self.intermediate, dim=-1)
             hidden = hidden + layer.down(F.silu(gate) * up)
         last = hidden.view(self.count, prompts, width, -1)[:, :, -1]  # (agents, prompts, hidden)
-        last = _rms_norm(last, self.final_norm, self.final_eps)
+        last = _normalize(last, self.final_eps)
         logits = self.lm_head(last.to(low).contiguous()).view(total_prompts, -1)
         return logits, self._cache(prefix_keys, prefix_values, group_size, max_new_tokens)
 
@@ -219,17 +226,25 @@ class StackedLeanDecoder:
         bias = torch.zeros(attention_mask.shape, dtype=self.attention_dtype, device=attention_mask.device)
         return bias.masked_fill_(attention_mask == 0, float("-inf")).view(attention_mask.shape[0], 1, 1, -1)
 
-    def rotary_table(self, positions: torch.Tensor):
-        """(cos, signed sin), each (rows, steps, 1, head_dim), for `positions` (rows, steps): computed
-        once per sampling call, indexed by `step` (the rotary module costs as much as a layer's
-        elementwise work when called per token). The sin's first half is negated so that a step
-        rotates with one concatenation (see `_rope`)."""
-        return _signed_rotary(self.rotary, self.embed, positions)
+    def rotary_table(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rotations (rows, steps, 1, head_dim / 2), complex, for `positions` (rows, steps):
+        computed once per sampling call and sliced per step (the rotary module costs as much as a
+        layer's elementwise work when called per token). See `_rotate`."""
+        cos, sin = self.rotary(self.embed.new_empty(1, 1, 1), positions)
+        half = self.head_dim // 2
+        return torch.complex(cos[..., :half].float(), sin[..., :half].float()).unsqueeze(-2)
 
-    def step(self, tokens: torch.Tensor, rotary, cache: "_DecodeCache", steps_done: int,
+    def _offsets(self, rows: int) -> torch.Tensor:
+        """Per row, its agent's first row in the concatenated embeddings (rows are agent-major)."""
+        if self._token_offsets.shape[0] != rows:
+            agent = torch.arange(self.count, device=self.embed.device).repeat_interleave(rows // self.count)
+            self._token_offsets = agent * self.vocab
+        return self._token_offsets
+
+    def step(self, tokens: torch.Tensor, rotation: torch.Tensor, cache: "_DecodeCache", steps_done: int,
              attention_bias: torch.Tensor) -> torch.Tensor:
-        """Logits (agents * rows, vocab) for `tokens` (agents * rows,), agent-major, whose rotary (cos,
-        signed sin) are (rows, 1, head_dim) slices of `rotary_table`; writes their K/V at column
+        """Logits (agents * rows, vocab) for `tokens` (agents * rows,), agent-major, whose rotations
+        are a (rows, 1, head_dim / 2) slice of `rotary_table`; writes their K/V at column
         `steps_done` of the generated part of the cache. `attention_bias` (from `attention_bias`, over
         prompt width + max_new_tokens columns) is -inf at left padding.
 
@@ -247,17 +262,15 @@ class StackedLeanDecoder:
         prompts = total // cache.group_size
         width = cache.prefix_keys[0].shape[-1]
         shared_rows = cache.group_size * group  # rows of one prompt's product per KV head
-        offsets = torch.arange(self.count, device=tokens.device).repeat_interleave(rows) * self.vocab
-        hidden = F.embedding(tokens + offsets, self.embed).view(self.count, rows, -1)  # (A, rows, hidden)
-        cos, sin = rotary
+        hidden = F.embedding(tokens + self._offsets(total), self.embed).view(self.count, rows, -1)  # (A, rows, hidden)
         bias = attention_bias[..., : width + steps_done + 1]
         scale = self.head_dim ** -0.5
         low, att = self.compute_dtype, self.attention_dtype
         for index, layer in enumerate(self.layers):
-            x = _rms_norm(hidden, layer.input_norm, layer.eps)
+            x = _normalize(hidden, layer.eps)
             qkv = layer.qkv(x.to(low)).view(total, -1)
             query_key = qkv[:, : self.q_size + self.kv_size].view(total, self.num_heads + self.num_kv_heads, self.head_dim)
-            query_key = _rope(query_key, cos, sin)  # computes in cos/sin's dtype
+            query_key = _rotate(query_key, rotation)
             q = query_key[:, : self.num_heads].reshape(total, self.num_kv_heads, group, self.head_dim).to(att)
             keys, values = cache.keys[index], cache.values[index]
             keys[:, :, :, steps_done] = query_key[:, self.num_heads:]
@@ -277,10 +290,10 @@ class StackedLeanDecoder:
             attended = torch.matmul(probs[..., width:], values[:, :, : steps_done + 1]).view(
                 prompts, cache.group_size, self.num_kv_heads, group, self.head_dim) + prefix_part
             hidden = hidden + layer.o(attended.reshape(self.count, rows, self.q_size).to(low))
-            x = _rms_norm(hidden, layer.post_norm, layer.eps)
+            x = _normalize(hidden, layer.eps)
             gate, up = layer.gate_up(x.to(low)).split(self.intermediate, dim=-1)
             hidden = hidden + layer.down(F.silu(gate) * up)
-        hidden = _rms_norm(hidden, self.final_norm, self.final_eps)
+        hidden = _normalize(hidden, self.final_eps)
         return self.lm_head(hidden.to(low)).view(total, -1)
 
 
@@ -320,8 +333,7 @@ def fusion_signature(decoder: LeanDecoder) -> tuple:
     def projection(p: onednn.PackedLinear):
         return shape(p.weight), shape(p.bias), p.packed
 
-    layer_shapes = tuple((shape(l.input_norm), projection(l.qkv), projection(l.o), shape(l.post_norm),
-                          projection(l.gate_up), projection(l.down), l.eps)
+    layer_shapes = tuple((projection(l.qkv), projection(l.o), projection(l.gate_up), projection(l.down), l.eps)
                          for l in decoder.layers)
     rotary = decoder.rotary
     inv_freq = getattr(rotary, "inv_freq", None)
@@ -486,10 +498,8 @@ class _AgentProjections:
 
 @dataclass
 class _StackedLayer:
-    input_norm: torch.Tensor  # (A, 1, hidden)
     qkv: _AgentProjections
     o: _AgentProjections
-    post_norm: torch.Tensor
     gate_up: _AgentProjections
     down: _AgentProjections
     eps: float
@@ -532,6 +542,29 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
+
+
+def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without its scale (the decoders fold that into the next projection), in fp32 as the
+    transformers norm computes it, returned in x's dtype."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _rotary_pairs_adjacent(heads: int, head_dim: int) -> torch.Tensor:
+    """Row order for `heads` query/key heads that puts each rotary pair (i, i + head_dim / 2) of a
+    head next to each other: (0, h, 1, h + 1, ...) per head, h = head_dim / 2."""
+    half = head_dim // 2
+    within = torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).reshape(-1)
+    return (torch.arange(heads).unsqueeze(1) * head_dim + within).reshape(-1)
+
+
+def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of `x` (..., head_dim) whose rotary pairs are adjacent (see
+    `_rotary_pairs_adjacent`): each pair (a, b) as the complex number a + ib, times the rotation
+    cos + i sin, gives (a cos - b sin, a sin + b cos), what the transformers rotary embedding
+    computes for the pair (i, i + head_dim / 2). Returns fp32 (or wider)."""
+    pairs = torch.view_as_complex(x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
