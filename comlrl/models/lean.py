@@ -526,7 +526,7 @@ def _fused_gate_up(mlp) -> torch.Tensor:
 
 def _signed_rotary(rotary, like: torch.Tensor, positions: torch.Tensor):
     """(cos, signed sin), each positions.shape + (1, head_dim), in `like`'s dtype and device: the
-    sin's first half is negated so that `_rope` rotates with one concatenation."""
+    sin's first half is negated so that `training_ops.rotary` rotates with one concatenation."""
     cos, sin = rotary(like.new_empty(1, 1, 1), positions)
     half = sin.shape[-1] // 2
     sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
@@ -535,13 +535,6 @@ def _signed_rotary(rotary, like: torch.Tensor, positions: torch.Tensor):
 
 def _eps(norm) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
 
 
 def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -565,13 +558,6 @@ def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     computes for the pair (i, i + head_dim / 2). Returns fp32 (or wider)."""
     pairs = torch.view_as_complex(x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotation).flatten(-2)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, with rotate_half's negation folded into `signed_sin`
-    (bitwise the same: negating a factor is exact)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 def cache_argument(model) -> str:

@@ -82,9 +82,11 @@ def _swap_halves(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Rotary(torch.autograd.Function):
-    """Rotary embedding `x * cos + swap_halves(x) * signed_sin` (see `lean._rope`), cast to
-    `out_dtype`. The rotation is linear in x, so its backward needs only cos and sin:
-    grad_x = grad * cos + swap_halves(grad * signed_sin) (swapping halves is its own transpose)."""
+    """Rotary embedding `x * cos + swap_halves(x) * signed_sin`, cast to `out_dtype`: the
+    transformers `x * cos + rotate_half(x) * sin`, with rotate_half's negation folded into the sin
+    (bitwise the same: negating a factor is exact). The rotation is linear in x, so its backward
+    needs only cos and sin: grad_x = grad * cos + swap_halves(grad * signed_sin) (swapping halves
+    is its own transpose)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out_dtype: torch.dtype):
