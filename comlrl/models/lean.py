@@ -83,6 +83,7 @@ class LeanDecoder:
       cache holds keys in this order.
     """
 
+    @torch.no_grad()  # a snapshot: decoding never needs gradients
     def __init__(self, model, compute_dtype: Optional[torch.dtype] = None,
                  attention_dtype: Optional[torch.dtype] = None):
         inner = model.model
@@ -92,30 +93,51 @@ class LeanDecoder:
         on_cpu = inner.embed_tokens.weight.device.type == "cpu"
         self.attention_dtype = attention_dtype or (self.dtype if on_cpu else self.compute_dtype)  # cache, attention
 
-        def projection(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+        low = self.compute_dtype
+
+        def projection(weights: List[torch.Tensor], biases: List[Optional[torch.Tensor]],
                        norm: Optional[torch.Tensor] = None) -> onednn.PackedLinear:
-            if norm is not None:
-                weight = weight * norm  # the norm's scale, folded into the input columns
-            return onednn.PackedLinear(weight.to(self.compute_dtype),
-                                       None if bias is None else bias.to(self.compute_dtype))
+            """The weights' rows stacked into one projection, with `norm` folded into its columns:
+            each weight is read once and written once into the result (one weight in the
+            compute dtype without a norm is used as it is)."""
+            if len(weights) == 1 and norm is None:
+                weight = weights[0].to(low)
+            else:
+                weight = torch.empty(sum(w.numel() // w.shape[-1] for w in weights), weights[0].shape[-1],
+                                     dtype=low, device=weights[0].device)
+                start = 0
+                for part in weights:
+                    rows = part.numel() // part.shape[-1]
+                    target = weight[start:start + rows].view(part.shape)
+                    torch.mul(part, norm, out=target) if norm is not None else target.copy_(part)
+                    start += rows
+            bias = None if any(b is None for b in biases) else torch.cat([b.reshape(-1) for b in biases]).to(low)
+            return onednn.PackedLinear(weight, bias)
 
         self.num_heads, self.num_kv_heads, self.head_dim = _head_shape(config)
         self.embed = inner.embed_tokens.weight
         self.final_eps = _eps(inner.norm)
-        self.lm_head = projection(model.lm_head.weight, model.lm_head.bias, inner.norm.weight)
+        self.lm_head = projection([model.lm_head.weight], [model.lm_head.bias], inner.norm.weight)
         self.rotary = inner.rotary_emb
-        qk_rows = _rotary_pairs_adjacent(self.num_heads + self.num_kv_heads, self.head_dim)
+
+        def pairs_adjacent(t: Optional[torch.Tensor], heads: int) -> Optional[torch.Tensor]:
+            """A view of a query/key weight or bias with its rows in `_rotary_pairs_adjacent` order."""
+            return None if t is None else t.view(heads, 2, self.head_dim // 2, *t.shape[1:]).transpose(1, 2)
+
         self.layers: List[_Layer] = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv_weight, qkv_bias = _fused_qkv(attn)
-            qkv_rows = torch.cat([qk_rows, torch.arange(qk_rows.numel(), qkv_weight.shape[0])]).to(qkv_weight.device)
+            q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
             self.layers.append(_Layer(
-                qkv=projection(qkv_weight[qkv_rows], None if qkv_bias is None else qkv_bias[qkv_rows],
+                qkv=projection([pairs_adjacent(q.weight, self.num_heads), pairs_adjacent(k.weight, self.num_kv_heads),
+                                v.weight],
+                               [pairs_adjacent(q.bias, self.num_heads), pairs_adjacent(k.bias, self.num_kv_heads),
+                                v.bias],
                                layer.input_layernorm.weight),
-                o=projection(attn.o_proj.weight, attn.o_proj.bias),
-                gate_up=projection(_fused_gate_up(mlp), None, layer.post_attention_layernorm.weight),
-                down=projection(mlp.down_proj.weight),
+                o=projection([attn.o_proj.weight], [attn.o_proj.bias]),
+                gate_up=projection([mlp.gate_proj.weight, mlp.up_proj.weight], [None],
+                                   layer.post_attention_layernorm.weight),
+                down=projection([mlp.down_proj.weight], [None]),
                 eps=_eps(layer.input_layernorm),
             ))
         self.q_size = self.num_heads * self.head_dim
