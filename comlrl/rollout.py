@@ -171,15 +171,15 @@ def _model_prefill(model, batch: _PromptBatch, compute_dtype):
     return logits, cache
 
 
-def _finish(tokenizer, state: _PromptBatch, generated: torch.Tensor) -> AgentSamples:
+def _finish(tokenizer, batch: _PromptBatch, generated: torch.Tensor) -> AgentSamples:
     """AgentSamples from one agent's generated columns, cut after its longest completion."""
-    mask = completion_mask(generated, state.eos_ids)
+    mask = completion_mask(generated, batch.eos_ids)
     lengths = mask.sum(dim=1)
     steps = max(1, int(lengths.max()))  # the columns this agent's own decode would have run
     completion_ids, mask = generated[:, :steps], mask[:, :steps]
     texts = tokenizer.batch_decode(
         [row[: int(n)] for row, n in zip(completion_ids.tolist(), lengths.tolist())], skip_special_tokens=True)
-    return AgentSamples(state.prompts, state.prompt_ids, state.prompt_mask, completion_ids, mask, texts)
+    return AgentSamples(batch.prompts, batch.prompt_ids, batch.prompt_mask, completion_ids, mask, texts)
 
 
 @torch.inference_mode()
@@ -249,39 +249,39 @@ def _sample_group(models, tokenizers, prompts, settings: SamplingSettings, keys,
     for model in models:
         model.eval()
     try:
-        states = [_prompt_batch(p, ids.to(device), mask.to(device), settings, key, eos, pad)
+        batches = [_prompt_batch(p, ids.to(device), mask.to(device), settings, key, eos, pad)
                   for p, (ids, mask), key, eos, pad in zip(prompts, encoded, keys, eos_ids, pad_ids)]
-        generated = _decode(models[0], states, settings, compute_dtype, leans, width)
+        generated = _decode(models[0], batches, settings, compute_dtype, leans, width)
     finally:
         for model, training in zip(models, was_training):
             model.train(training)
-    rows = states[0].positions.shape[0]
-    return [_finish(t, s, generated[i * rows:(i + 1) * rows]) for i, (t, s) in enumerate(zip(tokenizers, states))]
+    rows = batches[0].positions.shape[0]
+    return [_finish(t, s, generated[i * rows:(i + 1) * rows]) for i, (t, s) in enumerate(zip(tokenizers, batches))]
 
 
-def _decode(model, states: List[_PromptBatch], settings: SamplingSettings, compute_dtype, leans, width: int) -> torch.Tensor:
-    """Prefill and decode every row of every state to EOS or max_new_tokens; returns the (rows,
-    steps) tokens, agent-major. The states go through one StackedLeanDecoder, or (one state)
-    through the model's own forward where the architecture has no lean decoder."""
-    device = states[0].prompt_ids.device
+def _decode(model, batches: List[_PromptBatch], settings: SamplingSettings, compute_dtype, leans, width: int) -> torch.Tensor:
+    """Prefill and decode every row of every agent's batch to EOS or max_new_tokens; returns the
+    (rows, steps) tokens, agent-major. The batches go through one StackedLeanDecoder, or (one
+    batch) through the model's own forward where the architecture has no lean decoder."""
+    device = batches[0].prompt_ids.device
     max_new, k = settings.max_new_tokens, settings.num_generations
     decoder = None
     if leans[0] is not None:
         decoder = StackedLeanDecoder(leans)
         del leans[:]  # the stacked copies now hold what decoding needs
-        logits, cache = decoder.prefill(torch.cat([s.prompt_ids for s in states]),
-                                        torch.cat([s.prompt_mask for s in states]), k, max_new)
+        logits, cache = decoder.prefill(torch.cat([s.prompt_ids for s in batches]),
+                                        torch.cat([s.prompt_mask for s in batches]), k, max_new)
     else:
-        logits, cache = _model_prefill(model, states[0], compute_dtype)
+        logits, cache = _model_prefill(model, batches[0], compute_dtype)
         cache.batch_repeat_interleave(k)  # the model's forward wants one cache row per row
     logits = logits.float().repeat_interleave(k, dim=0)  # each prompt's K samples start alike
-    uniforms = torch.cat([s.uniforms for s in states]).to(logits.dtype).t().contiguous()  # (max_new, rows)
-    positions = torch.cat([s.positions for s in states])
+    uniforms = torch.cat([s.uniforms for s in batches]).to(logits.dtype).t().contiguous()  # (max_new, rows)
+    positions = torch.cat([s.positions for s in batches])
     rows = logits.shape[0]
-    attention = torch.ones(rows, width + max_new, dtype=states[0].prompt_mask.dtype, device=device)
-    attention[:, :width] = torch.cat([s.prompt_mask.repeat_interleave(k, dim=0) for s in states])
-    pad_id = states[0].pad_id
-    eos = torch.tensor(states[0].eos_ids, device=device)
+    attention = torch.ones(rows, width + max_new, dtype=batches[0].prompt_mask.dtype, device=device)
+    attention[:, :width] = torch.cat([s.prompt_mask.repeat_interleave(k, dim=0) for s in batches])
+    pad_id = batches[0].pad_id
+    eos = torch.tensor(batches[0].eos_ids, device=device)
     generated = torch.full((rows, max_new), pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     if decoder is not None:

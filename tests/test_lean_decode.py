@@ -77,9 +77,9 @@ def test_lean_prefill_matches_the_model_forward_with_left_padding(model):
         logits, buffers = StackedLeanDecoder([lean_decoder_for(model)]).prefill(prompt, prompt_mask, 2, 3)
     assert torch.allclose(logits, reference, atol=1e-5, rtol=1e-5)
     real = prompt_mask.bool()
-    # The decode cache holds keys with each head's rotary pairs adjacent (see LeanDecoder).
+    # The decode cache holds keys with each head's rotary pairs (i, i + D/2) adjacent (see LeanDecoder).
     head_dim = model.config.hidden_size // model.config.num_attention_heads
-    pairs_adjacent = lean_module._rotary_pairs_adjacent(1, head_dim)
+    pairs_adjacent = torch.arange(head_dim).view(2, head_dim // 2).t().reshape(-1)  # 0, D/2, 1, D/2 + 1, ...
     for index in range(len(model.model.layers)):
         keys, values = _layer_kv(cache, index)  # (prompts, kv, width, D)
         keys = keys[..., pairs_adjacent]

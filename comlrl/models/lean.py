@@ -109,7 +109,10 @@ class LeanDecoder:
                 for part in weights:
                     rows = part.numel() // part.shape[-1]
                     target = weight[start:start + rows].view(part.shape)
-                    torch.mul(part, norm, out=target) if norm is not None else target.copy_(part)
+                    if norm is None:
+                        target.copy_(part)
+                    else:
+                        torch.mul(part, norm, out=target)
                     start += rows
             bias = None if any(b is None for b in biases) else torch.cat([b.reshape(-1) for b in biases]).to(low)
             return onednn.PackedLinear(weight, bias)
@@ -121,8 +124,7 @@ class LeanDecoder:
         self.rotary = inner.rotary_emb
 
         def pairs_adjacent(t: Optional[torch.Tensor], heads: int) -> Optional[torch.Tensor]:
-            """A view of a query/key weight or bias with its rows in `_rotary_pairs_adjacent` order."""
-            return None if t is None else t.view(heads, 2, self.head_dim // 2, *t.shape[1:]).transpose(1, 2)
+            return None if t is None else _pairs_adjacent(t, heads, self.head_dim)
 
         self.layers: List[_Layer] = []
         for layer in inner.layers:
@@ -565,17 +567,16 @@ def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def _rotary_pairs_adjacent(heads: int, head_dim: int) -> torch.Tensor:
-    """Row order for `heads` query/key heads that puts each rotary pair (i, i + head_dim / 2) of a
-    head next to each other: (0, h, 1, h + 1, ...) per head, h = head_dim / 2."""
-    half = head_dim // 2
-    within = torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).reshape(-1)
-    return (torch.arange(heads).unsqueeze(1) * head_dim + within).reshape(-1)
+def _pairs_adjacent(t: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """A view (heads, head_dim / 2, 2, ...) of a query or key projection's weight or bias (rows
+    head-major) in which each head's rotary pair (i, i + head_dim / 2) is adjacent: flattened, the
+    rows run 0, h, 1, h + 1, ... per head (h = head_dim / 2)."""
+    return t.view(heads, 2, head_dim // 2, *t.shape[1:]).transpose(1, 2)
 
 
 def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of `x` (..., head_dim) whose rotary pairs are adjacent (see
-    `_rotary_pairs_adjacent`): each pair (a, b) as the complex number a + ib, times the rotation
+    `_pairs_adjacent`): each pair (a, b) as the complex number a + ib, times the rotation
     cos + i sin, gives (a cos - b sin, a sin + b cos), what the transformers rotary embedding
     computes for the pair (i, i + head_dim / 2). Returns fp32 (or wider)."""
     pairs = torch.view_as_complex(x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)))
