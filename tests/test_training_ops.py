@@ -38,11 +38,16 @@ def test_swiglu_forward_is_silu_gate_times_up_and_backward_passes_gradcheck():
     assert torch.autograd.gradcheck(training_ops.swiglu, (gate_up,))
 
 
-def test_rotary_forward_is_the_models_and_backward_passes_gradcheck():
-    x = _double(6, 3, 8, seed=3).requires_grad_()
-    angles = _double(6, 1, 4, seed=4)
+def test_rotary_is_the_models_on_pair_adjacent_rows_and_backward_passes_gradcheck():
+    """On a head whose rotary pairs (i, i + D/2) are adjacent, the rotation is the transformers
+    rotary embedding, reordered alike."""
+    x, angles = _double(6, 3, 8, seed=3), _double(6, 1, 4, seed=4)
     cos, sin = torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat([angles.sin(), angles.sin()], dim=-1)
-    signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)  # rotate_half's negation, folded in
-    with torch.no_grad():
-        assert torch.equal(training_ops.rotary(x, cos, signed_sin), x * cos + rotate_half(x) * sin)
-    assert torch.autograd.gradcheck(lambda a: training_ops.rotary(a, cos, signed_sin), (x,))
+    adjacent = torch.arange(8).view(2, 4).t().reshape(-1)  # 0, 4, 1, 5, ...
+    rotation = torch.complex(angles.cos(), angles.sin())
+    expected = (x * cos + rotate_half(x) * sin)[..., adjacent]
+    assert torch.allclose(training_ops.rotary(x[..., adjacent], rotation), expected, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a: training_ops.rotary(a, rotation), (x[..., adjacent].requires_grad_(),))
+    rounded = training_ops.rotary(x[..., adjacent].float(), rotation.to(torch.complex64), torch.bfloat16)
+    assert rounded.dtype == torch.bfloat16
+    assert torch.allclose(rounded.double(), expected, atol=2e-2)

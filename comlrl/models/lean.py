@@ -78,9 +78,9 @@ class LeanDecoder:
     * each RMSNorm's scale is folded into the input columns of the projection after it
       (`(w * x) @ W^T = x @ (W diag(w))^T`), so a norm is one call;
     * the query and key rows of each head are reordered so that rotary pairs (i, i + D/2) sit
-      next to each other, and the rotation is one complex multiply (`_rotate`). Queries and keys
-      are permuted alike, so their dot products, and the attention, are unchanged; the decode
-      cache holds keys in this order.
+      next to each other, and the rotation is one complex multiply (`training_ops.rotate_pairs`).
+      Queries and keys are permuted alike, so their dot products, and the attention, are
+      unchanged; the decode cache holds keys in this order. The training forward does the same.
     """
 
     @torch.no_grad()  # a snapshot: decoding never needs gradients
@@ -225,7 +225,7 @@ class StackedLeanDecoder:
             x = _normalize(hidden, layer.eps)
             qkv = layer.qkv(x.to(low)).view(total_prompts, width, -1)
             query_key, value = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            query_key = _rotate(query_key.view(total_prompts, width, self.num_heads + kv, dim), rotation)
+            query_key = training_ops.rotate_pairs(query_key.view(total_prompts, width, self.num_heads + kv, dim), rotation)
             query, key = query_key.to(att).split([self.num_heads, kv], dim=2)
             key = key.permute(0, 2, 3, 1).contiguous()  # (agents * prompts, kv, D, W): the cache's layout
             value = value.view(total_prompts, width, kv, dim).transpose(1, 2).to(att).contiguous()
@@ -253,10 +253,8 @@ class StackedLeanDecoder:
     def rotary_table(self, positions: torch.Tensor) -> torch.Tensor:
         """The rotations (rows, steps, 1, head_dim / 2), complex, for `positions` (rows, steps):
         computed once per sampling call and sliced per step (the rotary module costs as much as a
-        layer's elementwise work when called per token). See `_rotate`."""
-        cos, sin = self.rotary(self.embed.new_empty(1, 1, 1), positions)
-        half = self.head_dim // 2
-        return torch.complex(cos[..., :half].float(), sin[..., :half].float()).unsqueeze(-2)
+        layer's elementwise work when called per token). See `training_ops.rotate_pairs`."""
+        return _rotation_table(self.rotary, self.embed, positions)
 
     def _offsets(self, rows: int) -> torch.Tensor:
         """Per row, its agent's first row in the concatenated embeddings (rows are agent-major)."""
@@ -294,7 +292,7 @@ class StackedLeanDecoder:
             x = _normalize(hidden, layer.eps)
             qkv = layer.qkv(x.to(low)).view(total, -1)
             query_key = qkv[:, : self.q_size + self.kv_size].view(total, self.num_heads + self.num_kv_heads, self.head_dim)
-            query_key = _rotate(query_key, rotation)
+            query_key = training_ops.rotate_pairs(query_key, rotation)
             q = query_key[:, : self.num_heads].reshape(total, self.num_kv_heads, group, self.head_dim).to(att)
             keys, values = cache.keys[index], cache.values[index]
             keys[:, :, :, steps_done] = query_key[:, self.num_heads:]
@@ -411,8 +409,7 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     completion_positions = prompt_positions[:, -1:] + 1 + torch.arange(steps, device=device)
     positions = torch.cat([prompt_positions.reshape(-1),
                            completion_positions.repeat_interleave(k, dim=0).reshape(-1)])
-    cos, sin = _signed_rotary(inner.rotary_emb, inner.embed_tokens.weight, positions.unsqueeze(0))
-    rotary = cos[0], sin[0]  # (tokens, 1, head_dim)
+    rotation = _rotation_table(inner.rotary_emb, inner.embed_tokens.weight, positions.unsqueeze(0))[0]  # (tokens, 1, D / 2)
 
     # Additive masks. Prompt: causal over its real tokens; a padding query sees itself only, so
     # its (unused) row stays finite. Completion: its prompt's real tokens, then causal over itself.
@@ -434,13 +431,13 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv_weight, qkv_bias = _fused_qkv(attn)
+        qkv_weight, qkv_bias = _fused_qkv(attn, heads, kv_heads, head_dim)
         x = training_ops.rms_norm(hidden, layer.input_layernorm.weight, _eps(layer.input_layernorm), low)
         qkv = onednn.linear(x, qkv_weight.to(low), None if qkv_bias is None else qkv_bias.to(low))
         # Splits, not pairs of slices: a split's backward is one concatenation, while each slice's
         # backward fills a zero tensor of the whole input's size.
         query_key, value = qkv.split([q_size + kv_size, kv_size], dim=-1)
-        query_key = training_ops.rotary(query_key.view(-1, heads + kv_heads, head_dim), *rotary, low)
+        query_key = training_ops.rotary(query_key.view(-1, heads + kv_heads, head_dim), rotation, low)
         query, key = query_key.split([heads, kv_heads], dim=1)
         value = value.view(-1, kv_heads, head_dim)
         (q_prompt, q_completion), (k_prompt, k_own), (v_prompt, v_own) = (
@@ -536,26 +533,30 @@ def _head_shape(config) -> Tuple[int, int, int]:
     return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
-def _fused_qkv(attn):
-    """(weight, bias or None) of the q, k and v projections as one projection (rows q, k, v)."""
-    biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-    weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-    return weight, None if any(b is None for b in biases) else torch.cat(biases)
+def _fused_qkv(attn, heads: int, kv_heads: int, head_dim: int):
+    """(weight, bias or None) of the q, k and v projections as one projection (rows q, k, v), with
+    the query and key rows of each head in `_pairs_adjacent` order (for `training_ops.rotary`)."""
+    def rows(t: torch.Tensor, count: int, pairs_adjacent: bool) -> torch.Tensor:
+        return _pairs_adjacent(t, count, head_dim) if pairs_adjacent else t.view(count, head_dim // 2, 2, *t.shape[1:])
 
-
+    parts = [(attn.q_proj, heads, True), (attn.k_proj, kv_heads, True), (attn.v_proj, kv_heads, False)]
+    weight = torch.cat([rows(p.weight, count, adjacent) for p, count, adjacent in parts]).flatten(0, 2)
+    if any(p.bias is None for p, _, _ in parts):
+        return weight, None
+    return weight, torch.cat([rows(p.bias, count, adjacent) for p, count, adjacent in parts]).flatten(0, 2)
 def _fused_gate_up(mlp) -> torch.Tensor:
     """The gate and up projections' weights as one projection (rows gate, up)."""
     return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
 
 
-def _signed_rotary(rotary, like: torch.Tensor, positions: torch.Tensor):
-    """(cos, signed sin), each positions.shape + (1, head_dim), in `like`'s dtype and device: the
-    sin's first half is negated so that `training_ops.rotary` rotates with one concatenation."""
+def _rotation_table(rotary, like: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding's rotations cos + i sin at `positions`, positions.shape + (1, head_dim / 2),
+    complex (at least complex64), on `like`'s device: one per rotary pair (i, i + head_dim / 2),
+    for `training_ops.rotate_pairs`."""
     cos, sin = rotary(like.new_empty(1, 1, 1), positions)
-    half = sin.shape[-1] // 2
-    sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-    return cos.unsqueeze(-2), sin.unsqueeze(-2)
-
+    half = cos.shape[-1] // 2
+    real = torch.promote_types(cos.dtype, torch.float32)
+    return torch.complex(cos[..., :half].to(real), sin[..., :half].to(real)).unsqueeze(-2)
 
 def _eps(norm) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
@@ -572,15 +573,6 @@ def _pairs_adjacent(t: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     head-major) in which each head's rotary pair (i, i + head_dim / 2) is adjacent: flattened, the
     rows run 0, h, 1, h + 1, ... per head (h = head_dim / 2)."""
     return t.view(heads, 2, head_dim // 2, *t.shape[1:]).transpose(1, 2)
-
-
-def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of `x` (..., head_dim) whose rotary pairs are adjacent (see
-    `_pairs_adjacent`): each pair (a, b) as the complex number a + ib, times the rotation
-    cos + i sin, gives (a cos - b sin, a sin + b cos), what the transformers rotary embedding
-    computes for the pair (i, i + head_dim / 2). Returns fp32 (or wider)."""
-    pairs = torch.view_as_complex(x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * rotation).flatten(-2)
 
 
 def cache_argument(model) -> str:

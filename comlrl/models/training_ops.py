@@ -36,13 +36,15 @@ class _RMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         normalized = _at_least_fp32(x) * rstd
         grad = grad.to(normalized.dtype)
+        width = x.shape[-1]
         grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = (grad * normalized).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[1]:  # sum over rows of grad * x_hat, as one multiply-reduce
+            grad_weight = torch.linalg.vecdot(grad.reshape(-1, width), normalized.reshape(-1, width), dim=0)
+            grad_weight = grad_weight.to(weight.dtype)
         grad_normalized = grad * weight
         # d/dx of x * rstd(x): rstd * (g - x_hat * mean(g * x_hat))
-        correction = (grad_normalized * normalized).mean(-1, keepdim=True)
-        grad_x = (grad_normalized - normalized * correction).mul_(rstd)
+        correction = torch.linalg.vecdot(grad_normalized, normalized).unsqueeze_(-1).div_(width)
+        grad_x = torch.addcmul(grad_normalized, normalized, correction, value=-1).mul_(rstd)
         return grad_x.to(x.dtype), grad_weight, None, None
 
 
@@ -76,32 +78,33 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(gate_up)
 
 
-def _swap_halves(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
+def rotate_pairs(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of `x` (..., head_dim) whose rotary pairs (i, i + head_dim / 2) are
+    adjacent (rows reordered by `lean._pairs_adjacent`): each pair (a, b) as the complex number
+    a + ib, times `rotation` = cos + i sin, is (a cos - b sin, a sin + b cos), what the transformers
+    rotary embedding computes for the pair. Returns fp32 (or wider), contiguous."""
+    pairs = torch.view_as_complex(x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2)
 
 
 class _Rotary(torch.autograd.Function):
-    """Rotary embedding `x * cos + swap_halves(x) * signed_sin`, cast to `out_dtype`: the
-    transformers `x * cos + rotate_half(x) * sin`, with rotate_half's negation folded into the sin
-    (bitwise the same: negating a factor is exact). The rotation is linear in x, so its backward
-    needs only cos and sin: grad_x = grad * cos + swap_halves(grad * signed_sin) (swapping halves
-    is its own transpose)."""
+    """`rotate_pairs(x, rotation)` cast to `out_dtype`. The rotation is linear in x and unitary,
+    so its backward needs only the rotation: grad_x = grad * conj(rotation), pair by pair."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out_dtype: torch.dtype):
-        ctx.save_for_backward(cos, signed_sin)
+    def forward(ctx, x: torch.Tensor, rotation: torch.Tensor, out_dtype: torch.dtype):
+        ctx.save_for_backward(rotation)
         ctx.x_dtype = x.dtype
-        return (x * cos + _swap_halves(x) * signed_sin).to(out_dtype)
+        return rotate_pairs(x, rotation).to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        cos, signed_sin = ctx.saved_tensors
-        grad = grad.to(cos.dtype)
-        grad_x = grad * cos + _swap_halves(grad * signed_sin)
-        return grad_x.to(ctx.x_dtype), None, None, None
+        (rotation,) = ctx.saved_tensors
+        grad_x = rotate_pairs(grad.contiguous(), rotation.conj())
+        return grad_x.to(ctx.x_dtype), None, None
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Rotary embedding of `x` (..., head_dim) by (cos, signed sin), which must not need gradients."""
-    return _Rotary.apply(x, cos, signed_sin, out_dtype or torch.promote_types(x.dtype, cos.dtype))
+def rotary(x: torch.Tensor, rotation: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Rotary embedding of `x` (..., head_dim), rotary pairs adjacent, by `rotation` (complex,
+    broadcast over x's pairs; it must not need gradients); see `rotate_pairs`."""
+    return _Rotary.apply(x, rotation, out_dtype or torch.promote_types(x.dtype, torch.float32))
