@@ -148,11 +148,11 @@ class LeanDecoder:
 
 
 class StackedLeanDecoder:
-    """Decode one token per row against a preallocated KV cache, for one agent or several of one
-    architecture at once: every elementwise op and attention call runs once over all agents' rows
-    (rows are agent-major, with a leading agent dimension), and each projection is one call per
-    agent on its oneDNN-packed weight (CPU) or one batched matmul over the stacked weights
-    (elsewhere; see `_AgentProjections`).
+    """Prefill prompts and decode one token per row against a preallocated KV cache, for one agent
+    or several of one architecture at once: every elementwise op and attention call runs once over
+    all agents' rows (rows are agent-major, with a leading agent dimension), and each projection is
+    one call per agent on its oneDNN-packed weight (CPU) or one batched matmul over the stacked
+    weights (elsewhere; see `_AgentProjections`).
 
     At RL sizes a decode step costs mostly per-call overhead (a projection of 8-16 rows is ~50 us
     whatever its width), so two agents decode in little more than the time of one. A row computes
@@ -171,7 +171,6 @@ class StackedLeanDecoder:
         # One agent's embeddings are used as a view; several agents' are concatenated, once per
         # sampling call (see `fuse_decoding` for when stacking agents pays).
         self.embed = torch.cat([d.embed for d in decoders]) if self.count > 1 else first.embed  # row a*vocab+t
-
         self._token_offsets = torch.zeros(0, dtype=torch.long)
         self.lm_head = _AgentProjections([d.lm_head for d in decoders])
         self.layers: List[_StackedLayer] = []
@@ -186,6 +185,7 @@ class StackedLeanDecoder:
             ))
 
     def _cache(self, prefix_keys, prefix_values, group_size: int, max_new_tokens: int) -> "_DecodeCache":
+        """The decode cache around the prompts' keys and values: room for every row's generated tokens."""
         keys, values = [], []
         for prefix in prefix_values:
             prompts, heads, _, dim = prefix.shape
