@@ -83,7 +83,8 @@ def rotate_pairs(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     adjacent (rows reordered by `lean._pairs_adjacent`): each pair (a, b) as the complex number
     a + ib, times `rotation` = cos + i sin, is (a cos - b sin, a sin + b cos), what the transformers
     rotary embedding computes for the pair. Returns fp32 (or wider), contiguous."""
-    pairs = torch.view_as_complex(x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)))
+    wide = torch.promote_types(x.dtype, torch.float32)
+    pairs = torch.view_as_complex((x if x.dtype == wide else x.to(wide)).unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotation).flatten(-2)
 
 
