@@ -193,7 +193,7 @@ def test_a_single_agent_decodes_on_views_of_its_weights(tiny_model_dir, monkeypa
     """One agent's decoder reads its (fp32) embeddings in place. Its projections are either read in
     place (the batched-matmul path, used off the CPU) or reordered once per sampling call for
     oneDNN (the CPU): never copied into a stacked tensor."""
-    monkeypatch.setattr(onednn, "MIN_FP32_WEIGHT_ELEMENTS", 0)  # pack the small model's fp32 weights too
+    monkeypatch.setattr(onednn, "MIN_WEIGHT_ELEMENTS", 0)  # pack the small model's weights too
     model = load_causal_lm(tiny_model_dir)
     o_proj = model.model.layers[0].self_attn.o_proj.weight
     decoder = StackedLeanDecoder([lean_decoder_for(model)])
@@ -213,7 +213,7 @@ def test_packed_and_batched_projections_decode_the_same_tokens(tiny_model_dir, d
     completions (their sums round differently in fp32, by ~1e-6 relative), fused or alone."""
     if not onednn.AVAILABLE:
         pytest.skip("this torch build has no oneDNN")
-    monkeypatch.setattr(onednn, "MIN_FP32_WEIGHT_ELEMENTS", 0)  # pack the small model's fp32 weights too
+    monkeypatch.setattr(onednn, "MIN_WEIGHT_ELEMENTS", 0)  # pack the small model's weights too
     tok = load_tokenizer(tiny_model_dir)
     models = [load_causal_lm(tiny_model_dir), _perturbed(load_causal_lm(tiny_model_dir), 1)]
     settings = SamplingSettings(num_generations=3, max_new_tokens=24, temperature=1.0, top_p=0.95, top_k=50)

@@ -14,7 +14,7 @@ needs_onednn = pytest.mark.skipif(not onednn.AVAILABLE, reason="this torch build
 @pytest.fixture
 def any_size(monkeypatch):
     """Send fp32 weights of every size through oneDNN (the small ones here would stay on F.linear)."""
-    monkeypatch.setattr(onednn, "MIN_FP32_WEIGHT_ELEMENTS", 0)
+    monkeypatch.setattr(onednn, "MIN_WEIGHT_ELEMENTS", 0)
 
 
 def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -50,14 +50,16 @@ def test_linear_matches_f_linear_forward_and_backward(shape, with_bias, any_size
     assert "_Linear" in type(node).__name__  # really the oneDNN path
 
 
-def test_linear_leaves_non_fp32_tensors_and_small_weights_to_f_linear():
+def test_linear_leaves_non_fp32_tensors_and_small_weights_to_f_linear_and_unpacked():
     x, weight = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16)
     assert torch.equal(onednn.linear(x, weight), F.linear(x, weight))
     x, weight = torch.randn(4, 8, requires_grad=True), torch.randn(3, 8)
     small = onednn.linear(x, weight)
     assert torch.equal(small, F.linear(x, weight)) and "_Linear" not in type(small.grad_fn).__name__
     assert not onednn.PackedLinear(weight).packed
-    assert onednn.PackedLinear(weight.bfloat16()).packed == onednn.AVAILABLE  # bf16 is packed at any size
+    assert not onednn.PackedLinear(weight.bfloat16()).packed
+    large = torch.randn(256, 256)
+    assert onednn.PackedLinear(large).packed == onednn.PackedLinear(large.bfloat16()).packed == onednn.AVAILABLE
 
 
 @needs_onednn

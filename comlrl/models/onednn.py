@@ -11,7 +11,7 @@ close (not measured here).
 Two entry points:
 
 * `linear(x, weight, bias)`: an autograd-aware linear whose forward and backward products all run
-  through oneDNN (fp32 CPU tensors, weights of at least `MIN_FP32_WEIGHT_ELEMENTS`; anything else
+  through oneDNN (fp32 CPU tensors, weights of at least `MIN_WEIGHT_ELEMENTS`; anything else
   goes to `F.linear`).
 * `PackedLinear`: a weight reordered once into oneDNN's blocked layout, for the decode steps of a
   sampling call, which reuse each weight some 64 times with 8-32 rows. Without the reorder oneDNN
@@ -43,11 +43,13 @@ def _available() -> bool:
 
 AVAILABLE = _available()
 
-#: fp32 weights with fewer elements stay on `F.linear`. oneDNN keeps a generated kernel per product
-#: shape (on the order of 1 MB of memory each); for small weights the speed it buys does not pay
-#: for that (the small tiny model, hidden 64: a MAGRPO run took 0.76 s and 485 MB peak through
-#: oneDNN, 0.70 s and 472 MB through MKL). bf16 products go through oneDNN whatever the size.
-MIN_FP32_WEIGHT_ELEMENTS = 256 * 256
+#: Weights with fewer elements stay on `F.linear`: fp32 ones on MKL, bf16 ones unpacked. oneDNN
+#: keeps a generated kernel per product shape (on the order of 1 MB of memory each), and a packed
+#: weight's calls go through its primitive machinery; for small weights the speed it buys does not
+#: pay for that. Small tiny model (hidden 64), MAGRPO run: fp32 0.76 s and 485 MB peak through
+#: oneDNN, 0.70 s and 472 MB through MKL; bf16 with every weight packed for decoding 1.11-1.15 s,
+#: with small weights unpacked 0.67-0.74 s (same peak).
+MIN_WEIGHT_ELEMENTS = 256 * 256
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -58,7 +60,7 @@ def _large_fp32_on_cpu(tensor: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether an fp32 product of `tensor` with `weight` should run through oneDNN."""
     return (AVAILABLE and tensor.device.type == "cpu" and weight.device.type == "cpu"
             and tensor.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.numel() >= MIN_FP32_WEIGHT_ELEMENTS)
+            and weight.numel() >= MIN_WEIGHT_ELEMENTS)
 
 
 class _Linear(torch.autograd.Function):
@@ -95,13 +97,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 class PackedLinear:
     """A frozen linear layer for inference: on the CPU its weight is reordered once into oneDNN's
-    blocked layout (a copy); elsewhere, and for small fp32 weights, it keeps the weight as it is
-    and calls `F.linear`."""
+    blocked layout (a copy); elsewhere, and for weights under `MIN_WEIGHT_ELEMENTS`, it keeps the
+    weight as it is and calls `F.linear`."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
         self.out_features = weight.shape[0]
         self.packed = _large_fp32_on_cpu(weight, weight) or (
-            AVAILABLE and weight.device.type == "cpu" and weight.dtype == torch.bfloat16)
+            AVAILABLE and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and weight.numel() >= MIN_WEIGHT_ELEMENTS)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if self.packed else weight
         self.bias = bias
 
