@@ -213,12 +213,7 @@ class StackedLeanDecoder:
         hidden = F.embedding(prompt_ids.reshape(-1) + self._offsets(tokens), self.embed).view(self.count, prompts * width, -1)
         positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
         rotation = self.rotary_table(positions)  # (agents * prompts, width, 1, D / 2)
-        # Causal over each prompt's real tokens; a padding query sees itself only (its row stays finite).
-        real = prompt_mask.bool()
-        causal = torch.ones(width, width, dtype=torch.bool, device=prompt_ids.device).tril()
-        seen = causal & (real[:, None, :] | torch.eye(width, dtype=torch.bool, device=prompt_ids.device))
-        bias = torch.zeros(seen.shape, dtype=att, device=prompt_ids.device).masked_fill_(~seen, float("-inf"))
-        bias = bias[:, None, None]  # (agents * prompts, 1, 1, W, W) over (kv, group)
+        bias = _prompt_bias(prompt_mask, att)
         scale = dim ** -0.5
         prefix_keys, prefix_values = [], []
         for layer in self.layers:
@@ -231,11 +226,7 @@ class StackedLeanDecoder:
             value = value.view(total_prompts, width, kv, dim).transpose(1, 2).to(att).contiguous()
             prefix_keys.append(key)
             prefix_values.append(value)
-            query = query.reshape(total_prompts, width, kv, group, dim).permute(0, 2, 3, 1, 4)
-            scores = torch.matmul(query.reshape(total_prompts, kv, group * width, dim), key)
-            probs = torch.add(bias, scores.view(total_prompts, kv, group, width, width), alpha=scale)
-            probs = probs.softmax(dim=-1, dtype=torch.float32).to(att).view(total_prompts, kv, group * width, width)
-            attended = torch.matmul(probs, value).view(total_prompts, kv, group, width, dim).permute(0, 3, 1, 2, 4)
+            attended = _prompt_attention(query.reshape(total_prompts, width, kv, group, dim), key, value, bias, scale, att)
             hidden = hidden + layer.o(attended.reshape(self.count, prompts * width, self.q_size).to(low))
             x = _normalize(hidden, layer.eps)
             gate, up = layer.gate_up(x.to(low)).split(self.intermediate, dim=-1)
@@ -411,18 +402,15 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
                            completion_positions.repeat_interleave(k, dim=0).reshape(-1)])
     rotation = _rotation_table(inner.rotary_emb, inner.embed_tokens.weight, positions.unsqueeze(0))[0]  # (tokens, 1, D / 2)
 
-    # Additive masks. Prompt: causal over its real tokens; a padding query sees itself only, so
-    # its (unused) row stays finite. Completion: its prompt's real tokens, then causal over itself.
+    # Additive masks. Prompt: see `_prompt_bias`. Completion: its prompt's real tokens, then causal
+    # over itself.
     blocked = float("-inf")
     real = prompt_mask.bool()
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    seen = causal & (real[:, None, :] | torch.eye(width, dtype=torch.bool, device=device))
-    prompt_bias = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, blocked)
+    prompt_bias = _prompt_bias(prompt_mask, dtype)
     completion_bias = torch.zeros(prompts, steps, width + steps, dtype=dtype, device=device)
     completion_bias[:, :, :width].masked_fill_(~real[:, None, :], blocked)
     completion_bias[:, :, width:].masked_fill_(
         ~torch.ones(steps, steps, dtype=torch.bool, device=device).tril(), blocked)
-    prompt_bias = prompt_bias[:, None, None]  # (prompts, 1, 1, P, P) over (kv, group)
     completion_bias = completion_bias[:, None, None, None]  # (prompts, 1, 1, 1, S, P + S) over (kv, K, group)
 
     hidden = F.embedding(torch.cat([prompt_ids.reshape(-1), completion_ids[:, :steps].reshape(-1)]),
@@ -443,15 +431,10 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
         (q_prompt, q_completion), (k_prompt, k_own), (v_prompt, v_own) = (
             t.split([prompt_tokens, t.shape[0] - prompt_tokens]) for t in (query, key, value))
 
-        # Prompt self-attention, grouped-query heads as rows of their KV head's product.
-        q_prompt = q_prompt.view(prompts, width, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         k_prompt = k_prompt.view(prompts, width, kv_heads, head_dim).permute(0, 2, 3, 1)  # (G, kv, D, P)
         v_prompt = v_prompt.view(prompts, width, kv_heads, head_dim).transpose(1, 2)  # (G, kv, P, D)
-        scores = torch.matmul(q_prompt.reshape(prompts, kv_heads, group * width, head_dim), k_prompt)
-        probs = torch.add(prompt_bias, scores.view(prompts, kv_heads, group, width, width), alpha=scale)
-        probs = probs.softmax(dim=-1, dtype=torch.float32).to(low).view(prompts, kv_heads, group * width, width)
-        attended_prompt = torch.matmul(probs, v_prompt).view(prompts, kv_heads, group, width, head_dim)
-        attended_prompt = attended_prompt.permute(0, 3, 1, 2, 4).reshape(prompt_tokens, q_size)
+        attended_prompt = _prompt_attention(q_prompt.view(prompts, width, kv_heads, group, head_dim), k_prompt,
+                                            v_prompt, prompt_bias, scale, low).reshape(prompt_tokens, q_size)
 
         # Completions: one product per prompt and KV head against the shared prompt keys (all K
         # samples' query rows at once), one per row against its own earlier tokens, one softmax.
@@ -560,6 +543,32 @@ def _rotation_table(rotary, like: torch.Tensor, positions: torch.Tensor) -> torc
 
 def _eps(norm) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def _prompt_bias(prompt_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(prompts, 1, 1, W, W) additive bias of left-padded prompts' self-attention, broadcast over
+    (kv, group): causal over each prompt's real tokens; a padding query sees itself only, so its
+    (unused) row stays finite."""
+    width = prompt_mask.shape[1]
+    real = prompt_mask.bool()
+    causal = torch.ones(width, width, dtype=torch.bool, device=prompt_mask.device).tril()
+    seen = causal & (real[:, None, :] | torch.eye(width, dtype=torch.bool, device=prompt_mask.device))
+    bias = torch.zeros(seen.shape, dtype=dtype, device=prompt_mask.device).masked_fill_(~seen, float("-inf"))
+    return bias[:, None, None]
+
+
+def _prompt_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                      scale: float, probs_dtype: torch.dtype) -> torch.Tensor:
+    """Prompts' self-attention with grouped-query heads as rows of their KV head's product (no
+    repeat of keys or values): query (prompts, W, kv, group, D), keys transposed (prompts, kv, D, W),
+    values (prompts, kv, W, D), `bias` from `_prompt_bias`. Returns (prompts, W, kv, group, D), a
+    permuted view."""
+    prompts, width, kv_heads, group, head_dim = query.shape
+    query = query.permute(0, 2, 3, 1, 4).reshape(prompts, kv_heads, group * width, head_dim)
+    scores = torch.matmul(query, keys).view(prompts, kv_heads, group, width, width)
+    probs = torch.add(bias, scores, alpha=scale).softmax(dim=-1, dtype=torch.float32).to(probs_dtype)
+    attended = torch.matmul(probs.view(prompts, kv_heads, group * width, width), values)
+    return attended.view(prompts, kv_heads, group, width, head_dim).permute(0, 3, 1, 2, 4)
 
 
 def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -56,11 +56,9 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _large_fp32_on_cpu(tensor: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether an fp32 product of `tensor` with `weight` should run through oneDNN."""
-    return (AVAILABLE and tensor.device.type == "cpu" and weight.device.type == "cpu"
-            and tensor.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.numel() >= MIN_WEIGHT_ELEMENTS)
+def _large_on_cpu(weight: torch.Tensor) -> bool:
+    """Whether products with `weight` are worth sending through oneDNN (see `MIN_WEIGHT_ELEMENTS`)."""
+    return AVAILABLE and weight.device.type == "cpu" and weight.numel() >= MIN_WEIGHT_ELEMENTS
 
 
 class _Linear(torch.autograd.Function):
@@ -87,7 +85,8 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through oneDNN for fp32 CPU tensors (forward and backward)."""
-    if not _large_fp32_on_cpu(x, weight) or (bias is not None and bias.dtype != torch.float32):
+    if (not _large_on_cpu(weight) or x.device.type != "cpu" or x.dtype != torch.float32
+            or weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32)):
         return F.linear(x, weight, bias)
     if x.dim() == 2:
         return _Linear.apply(x, weight, bias)
@@ -102,9 +101,7 @@ class PackedLinear:
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
         self.out_features = weight.shape[0]
-        self.packed = _large_fp32_on_cpu(weight, weight) or (
-            AVAILABLE and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and weight.numel() >= MIN_WEIGHT_ELEMENTS)
+        self.packed = _large_on_cpu(weight) and weight.dtype in (torch.float32, torch.bfloat16)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if self.packed else weight
         self.bias = bias
 

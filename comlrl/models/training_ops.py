@@ -3,9 +3,11 @@
 Autograd's generic backward of these small compositions makes many passes over the activations
 (RMSNorm alone is ~14 ops: pow, mean, rsqrt, four products, their reductions) and keeps several
 intermediates alive until the backward pass. Written out, each keeps only what its gradient needs
-(RMSNorm: its input and one scalar per row; SwiGLU: its input; rotary: nothing) and runs a handful
-of ops. The forwards are the same ops as before, so the logits are bitwise unchanged; gradients
-agree with autograd's to float rounding (checked against the transformers model in the tests).
+(RMSNorm: its input and one scalar per row; SwiGLU: its input; rotary: only its rotation table)
+and runs a handful of ops. RMSNorm and SwiGLU forwards are the transformers model's ops, bitwise;
+the rotary embedding is one complex multiply on pair-adjacent rows, equal to the model's to float
+rounding. Gradients agree with autograd's to float rounding (checked against the transformers
+model in the tests).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch.nn.functional as F
 
 
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    wide = torch.promote_types(x.dtype, torch.float32)
+    return x if x.dtype == wide else x.to(wide)  # no dispatch for a no-op cast (decode hot path)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -83,8 +86,7 @@ def rotate_pairs(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     adjacent (rows reordered by `lean._pairs_adjacent`): each pair (a, b) as the complex number
     a + ib, times `rotation` = cos + i sin, is (a cos - b sin, a sin + b cos), what the transformers
     rotary embedding computes for the pair. Returns fp32 (or wider), contiguous."""
-    wide = torch.promote_types(x.dtype, torch.float32)
-    pairs = torch.view_as_complex((x if x.dtype == wide else x.to(wide)).unflatten(-1, (-1, 2)))
+    pairs = torch.view_as_complex(_at_least_fp32(x).unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotation).flatten(-2)
 
 
