@@ -1,4 +1,5 @@
-"""The hand-written backward passes of the lean training forward's pieces are the true gradients."""
+"""The hand-written backward passes of the lean training forward's pieces are the true gradients,
+and the pieces keep only what they say they keep."""
 
 from __future__ import annotations
 
@@ -21,21 +22,73 @@ def _double(*shape, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def test_rms_norm_forward_is_the_models_and_backward_passes_gradcheck():
-    x, weight = _double(5, 3, 8, seed=0).requires_grad_(), _double(8, seed=1).requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, w: training_ops.rms_norm(a, w, 1e-6), (x, weight))
-    x, weight = x.detach().float(), weight.detach().float()  # the model's dtype: the same ops as its norm
-    assert torch.equal(training_ops.rms_norm(x, weight, 1e-6), _model_norm(x, weight, 1e-6))
-    cast = training_ops.rms_norm(x, weight, 1e-6, torch.bfloat16)
-    assert cast.dtype == torch.bfloat16
-    assert torch.equal(cast, _model_norm(x, weight, 1e-6).to(torch.bfloat16))
+def _model_norm_linear(x, norm_weight, weights, biases, dtype=None):
+    """The plain composition: the transformers norm, then F.linear with the joined weight."""
+    normed = _model_norm(x, norm_weight, 1e-6)
+    weight = torch.cat([w.reshape(-1, w.shape[-1]) for w in weights])
+    bias = torch.cat([b.reshape(-1) for b in biases]) if biases else None
+    if dtype is not None:
+        normed, weight, bias = normed.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    return F.linear(normed, weight, bias)
 
 
-def test_swiglu_forward_is_silu_gate_times_up_and_backward_passes_gradcheck():
-    gate_up = _double(4, 2, 12, seed=2).requires_grad_()
-    gate, up = gate_up.chunk(2, dim=-1)
-    assert torch.equal(training_ops.swiglu(gate_up), F.silu(gate) * up)
-    assert torch.autograd.gradcheck(training_ops.swiglu, (gate_up,))
+def _parts(seed: int):
+    """Weight and bias parts of one projection of 8 inputs: a (2, 2, 3, 8) view that is not
+    contiguous (as the pair-adjacent query rows are) and a plain (5, 8) one."""
+    first, second = _double(3, 2, 2, 8, seed=seed).transpose(0, 2), _double(5, 8, seed=seed + 1)
+    first_bias, second_bias = _double(3, 2, 2, seed=seed + 2).transpose(0, 2), _double(5, seed=seed + 3)
+    return [first, second], [first_bias, second_bias]
+
+
+def test_norm_linear_is_the_norm_then_the_joined_projection_and_passes_gradcheck():
+    x, norm_weight = _double(5, 3, 8, seed=0), _double(8, seed=1)
+    weights, biases = _parts(seed=10)
+    inputs = [t.detach().requires_grad_() for t in (x, norm_weight, *weights, *biases)]
+    assert torch.autograd.gradcheck(
+        lambda a, w, p, q, b, c: training_ops.norm_linear(a, w, 1e-6, [p, q], [b, c]), inputs)
+    # In the model's dtype the forward is the transformers norm and F.linear, bitwise.
+    x, norm_weight = x.float(), norm_weight.float()
+    weights, biases = [w.float() for w in weights], [b.float() for b in biases]
+    got = training_ops.norm_linear(x, norm_weight, 1e-6, weights, biases)
+    assert got.shape == (5, 3, 17)
+    assert torch.equal(got, _model_norm_linear(x, norm_weight, weights, biases))
+    low = training_ops.norm_linear(x, norm_weight, 1e-6, weights, biases, torch.bfloat16)
+    assert low.dtype == torch.bfloat16
+    assert torch.equal(low, _model_norm_linear(x, norm_weight, weights, biases, torch.bfloat16))
+
+
+def test_swiglu_linear_is_silu_gate_times_up_through_the_weight_and_passes_gradcheck():
+    gate_up, weight = _double(6, 12, seed=2).requires_grad_(), _double(4, 6, seed=3).requires_grad_()
+    assert torch.autograd.gradcheck(training_ops.swiglu_linear, (gate_up, weight))
+    gate, up = gate_up.detach().float().chunk(2, dim=-1)
+    got = training_ops.swiglu_linear(gate_up.detach().float(), weight.detach().float())
+    assert torch.equal(got, F.linear(F.silu(gate) * up, weight.detach().float()))
+
+
+def test_linear_of_joined_parts_passes_gradcheck():
+    x = _double(4, 8, seed=5).requires_grad_()
+    weights, biases = _parts(seed=20)
+    inputs = [t.detach().requires_grad_() for t in (*weights, *biases)]
+    assert torch.autograd.gradcheck(lambda a, p, q, b, c: training_ops.linear(a, [p, q], [b, c]), [x, *inputs])
+
+
+def test_projections_keep_only_their_inputs_the_norm_scale_and_the_parameters():
+    """What makes the lean forward lean on memory: neither the normalized input, nor SwiGLU's
+    output, nor a joined or cast weight is kept for the backward pass."""
+    x = torch.randn(10, 8)
+    norm_weight, weight, down = (torch.randn(*shape, requires_grad=True) for shape in ((8,), (12, 8), (4, 6)))
+    kept = []
+
+    def keep(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        gate_up = training_ops.norm_linear(x, norm_weight, 1e-6, [weight[:6], weight[6:]], (), torch.bfloat16)
+        training_ops.swiglu_linear(gate_up, down, torch.bfloat16).float().sum().backward()
+    allowed = {t.untyped_storage().data_ptr() for t in (x, norm_weight, weight, down, gate_up)}
+    rstd = [t for t in kept if t.untyped_storage().data_ptr() not in allowed]
+    assert len(rstd) == 1 and rstd[0].shape == (10, 1)  # the norm's one scalar per row
 
 
 def test_rotary_is_the_models_on_pair_adjacent_rows_and_backward_passes_gradcheck():

@@ -419,9 +419,9 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv_weight, qkv_bias = _fused_qkv(attn, heads, kv_heads, head_dim)
-        x = training_ops.rms_norm(hidden, layer.input_layernorm.weight, _eps(layer.input_layernorm), low)
-        qkv = onednn.linear(x, qkv_weight.to(low), None if qkv_bias is None else qkv_bias.to(low))
+        qkv_weights, qkv_biases = _qkv_parts(attn, heads, kv_heads, head_dim)
+        qkv = training_ops.norm_linear(hidden, layer.input_layernorm.weight, _eps(layer.input_layernorm),
+                                       qkv_weights, qkv_biases, low)
         # Splits, not pairs of slices: a split's backward is one concatenation, while each slice's
         # backward fills a zero tensor of the whole input's size.
         query_key, value = qkv.split([q_size + kv_size, kv_size], dim=-1)
@@ -454,19 +454,20 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
         attended = attended.view(prompts, kv_heads, k, group, steps, head_dim).permute(0, 2, 4, 1, 3, 5)
 
         attended = torch.cat([attended_prompt, attended.reshape(rows * steps, q_size)])
-        o_bias = None if attn.o_proj.bias is None else attn.o_proj.bias.to(low)
-        hidden = hidden + onednn.linear(attended, attn.o_proj.weight.to(low), o_bias)
-        x = training_ops.rms_norm(hidden, layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm), low)
-        gate_up = onednn.linear(x, _fused_gate_up(mlp).to(low))
-        hidden = hidden + onednn.linear(training_ops.swiglu(gate_up), mlp.down_proj.weight.to(low))
+        o_biases = [] if attn.o_proj.bias is None else [attn.o_proj.bias]
+        hidden = hidden + training_ops.linear(attended, [attn.o_proj.weight], o_biases, low)
+        gate_up = training_ops.norm_linear(hidden, layer.post_attention_layernorm.weight,
+                                           _eps(layer.post_attention_layernorm),
+                                           [mlp.gate_proj.weight, mlp.up_proj.weight], (), low)
+        hidden = hidden + training_ops.swiglu_linear(gate_up, mlp.down_proj.weight, low)
 
     # The prompt's last position predicts each completion's first token; completion j predicts j + 1.
     prompt_hidden, completion_hidden = hidden.split([prompt_tokens, rows * steps])
     last = prompt_hidden.view(prompts, width, -1)[:, -1].repeat_interleave(k, dim=0)
     outputs = torch.cat([last.unsqueeze(1), completion_hidden.view(rows, steps, hidden.shape[-1])], dim=1)
-    outputs = training_ops.rms_norm(outputs, inner.norm.weight, _eps(inner.norm), low)
-    head_bias = None if model.lm_head.bias is None else model.lm_head.bias.to(low)
-    return onednn.linear(outputs, model.lm_head.weight.to(low), head_bias).float()
+    head_biases = [] if model.lm_head.bias is None else [model.lm_head.bias]
+    return training_ops.norm_linear(outputs, inner.norm.weight, _eps(inner.norm), [model.lm_head.weight], head_biases,
+                                    low).float()
 
 
 class _AgentProjections:
@@ -516,20 +517,15 @@ def _head_shape(config) -> Tuple[int, int, int]:
     return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
-def _fused_qkv(attn, heads: int, kv_heads: int, head_dim: int):
-    """(weight, bias or None) of the q, k and v projections as one projection (rows q, k, v), with
-    the query and key rows of each head in `_pairs_adjacent` order (for `training_ops.rotary`)."""
-    def rows(t: torch.Tensor, count: int, pairs_adjacent: bool) -> torch.Tensor:
-        return _pairs_adjacent(t, count, head_dim) if pairs_adjacent else t.view(count, head_dim // 2, 2, *t.shape[1:])
-
+def _qkv_parts(attn, heads: int, kv_heads: int, head_dim: int):
+    """The q, k and v projections' weights and biases (empty when they have none) as the parts of
+    one projection (rows q, k, v), each a view of its parameter, with the query and key rows of each
+    head in `_pairs_adjacent` order (for `training_ops.rotary`)."""
     parts = [(attn.q_proj, heads, True), (attn.k_proj, kv_heads, True), (attn.v_proj, kv_heads, False)]
-    weight = torch.cat([rows(p.weight, count, adjacent) for p, count, adjacent in parts]).flatten(0, 2)
+    weights = [_pairs_adjacent(p.weight, count, head_dim) if adjacent else p.weight for p, count, adjacent in parts]
     if any(p.bias is None for p, _, _ in parts):
-        return weight, None
-    return weight, torch.cat([rows(p.bias, count, adjacent) for p, count, adjacent in parts]).flatten(0, 2)
-def _fused_gate_up(mlp) -> torch.Tensor:
-    """The gate and up projections' weights as one projection (rows gate, up)."""
-    return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        return weights, []
+    return weights, [_pairs_adjacent(p.bias, count, head_dim) if adjacent else p.bias for p, count, adjacent in parts]
 
 
 def _rotation_table(rotary, like: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

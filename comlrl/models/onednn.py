@@ -10,9 +10,10 @@ close (not measured here).
 
 Two entry points:
 
-* `linear(x, weight, bias)`: an autograd-aware linear whose forward and backward products all run
-  through oneDNN (fp32 CPU tensors, weights of at least `MIN_WEIGHT_ELEMENTS`; anything else
-  goes to `F.linear`).
+* `forward`, `grad_input`, `grad_weight`: the three products of a linear layer (for the lean
+  training forward's autograd functions, `comlrl.models.training_ops`), through oneDNN for fp32
+  CPU tensors and weights of at least `MIN_WEIGHT_ELEMENTS`; anything else goes to `F.linear` and
+  `mm`, as autograd's own linear would run it.
 * `PackedLinear`: a weight reordered once into oneDNN's blocked layout, for the decode steps of a
   sampling call, which reuse each weight some 64 times with 8-32 rows. Without the reorder oneDNN
   (for bf16) reorders the weight on every call, and MKL (fp32) stays on AVX2: one medium-model
@@ -61,37 +62,33 @@ def _large_on_cpu(weight: torch.Tensor) -> bool:
     return AVAILABLE and weight.device.type == "cpu" and weight.numel() >= MIN_WEIGHT_ELEMENTS
 
 
-class _Linear(torch.autograd.Function):
-    """y = x W^T + b with all three products (forward, input and weight gradients) in oneDNN."""
+def _through_onednn(a: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a product of `a` with `weight` (fp32 CPU tensors, large weight) runs in oneDNN;
+    everything else keeps PyTorch's own kernels (bf16 ones run oneDNN there already)."""
+    return (_large_on_cpu(weight) and a.device.type == "cpu"
+            and a.dtype == torch.float32 and weight.dtype == torch.float32)
 
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+
+def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x W^T + b for 2-D x, no autograd: the forward product of a linear layer."""
+    if _through_onednn(x, weight) and (bias is None or bias.dtype == torch.float32):
         return _onednn_linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _onednn_linear(grad, weight.t(), None)  # grad @ W
-        if ctx.needs_input_grad[1]:
-            grad_weight = _onednn_linear(grad.t(), x.t(), None)  # grad^T @ x
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad.sum(dim=0)
-        return grad_x, grad_weight, grad_bias
+    return F.linear(x, weight, bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through oneDNN for fp32 CPU tensors (forward and backward)."""
-    if (not _large_on_cpu(weight) or x.device.type != "cpu" or x.dtype != torch.float32
-            or weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32)):
-        return F.linear(x, weight, bias)
-    if x.dim() == 2:
-        return _Linear.apply(x, weight, bias)
-    shape = x.shape
-    return _Linear.apply(x.reshape(-1, shape[-1]), weight, bias).view(*shape[:-1], weight.shape[0])
+def grad_input(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """grad W: a linear layer's input gradient (2-D grad)."""
+    if _through_onednn(grad, weight):
+        return _onednn_linear(grad, weight.t(), None)
+    return grad.mm(weight)
+
+
+def grad_weight(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """grad^T x: a linear layer's weight gradient (2-D grad and x), through oneDNN when the
+    forward product with `weight` is."""
+    if _through_onednn(grad, weight):
+        return _onednn_linear(grad.t(), x.t(), None)
+    return grad.t().mm(x)
 
 
 class PackedLinear:

@@ -515,7 +515,7 @@ class MAGRPOTrainer:
                 minibatch = node_order[start:start + a.train_batch_size]
                 local = [g - offset for g in minibatch if offset <= g < offset + turn.num_nodes]
                 share = self._rank_share(samples, local, len(minibatch))
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=False)
                 # Each rank's loss is a mean over its rows (or tokens); weighted by its share of the
                 # global minibatch, the sum over ranks is the single-process loss.
                 loss = self._minibatch_backward(agent, samples, advantages, local, 1.0 if share is None else share,
