@@ -326,3 +326,26 @@ def test_concurrent_rollout_gives_the_same_run(make_trainer, tmp_path):
         for name, value in sequential.items():
             assert torch.equal(value, threaded[name]), name
     assert rows(tmp_path / "False.jsonl") == rows(tmp_path / "True.jsonl")
+
+
+def test_gradient_buffers_are_kept_but_unused_parameters_are_not_stepped():
+    """Gradients are zeroed in place between minibatches (their buffers are reused), yet a
+    parameter the loss did not use is skipped by the optimizer, as with gradients set to None:
+    AdamW would otherwise move it by its momentum on a zero gradient."""
+    from comlrl.trainers.reinforce import magrpo
+
+    used, sometimes = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([used, sometimes], lr=0.1)
+    buffers = []
+    for uses_both in (True, False, False):
+        kept = magrpo._zero_gradients(optimizer)
+        loss = (used * 2).sum() + ((sometimes * 3).sum() if uses_both else 0)
+        loss.backward()
+        magrpo._drop_unused_gradients(optimizer, kept)
+        before = sometimes.detach().clone()
+        optimizer.step()
+        buffers.append(used.grad.data_ptr())
+        assert torch.equal(used.grad, torch.full((3,), 2.0))
+        if not uses_both:
+            assert sometimes.grad is None and torch.equal(sometimes.detach(), before)
+    assert buffers[0] == buffers[1] == buffers[2]
