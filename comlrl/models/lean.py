@@ -377,9 +377,11 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     * each prompt's keys and values are computed once and read by its K completions in a
       shared-prefix product, so nothing is repeated per sample, forward or backward;
     * only the prompt's last position and the completion positions reach the LM head;
-    * with `compute_dtype`, projections and attention products run on a single bf16 copy of each
-      weight per call; norms, rotary embeddings, softmax and the residual stream stay in the
-      model's dtype, as under autocast.
+    * with `compute_dtype`, projections and attention products run in bf16 (each weight cast
+      once per pass); norms, rotary embeddings, softmax and the residual stream stay in the
+      model's dtype, as under autocast;
+    * the backward pass keeps no copy of a weight nor the inputs it can recompute cheaply
+      (`training_ops.norm_linear`, `training_ops.swiglu_linear`).
     """
     if (not supports_lean_path(model) or prompt_ids.device.type != "cpu"
             or (model.training and getattr(model.config, "attention_dropout", 0.0))):

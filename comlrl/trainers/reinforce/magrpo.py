@@ -182,7 +182,7 @@ def _zero_gradients(optimizer: torch.optim.Optimizer) -> Dict[int, int]:
 
     Freeing the gradients after each step (`zero_grad(set_to_none=True)`) and letting the next
     backward pass allocate them again scatters them among that pass's activations on the CPU heap,
-    which then cannot give the freed activations back: L benchmark, fp32, peak RSS 673 -> 651 MB,
+    which then cannot give the freed activations back: L benchmark, fp32, peak RSS 669 -> 651 MB,
     S-medium 607 -> 602 MB with the buffers kept."""
     versions = {}
     for group in optimizer.param_groups:
