@@ -20,11 +20,17 @@ def tiny(config_cls, **extra):
     settings = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     config = config_cls(**{**settings, **extra})
-    return AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # biases start at zero, where leaving one out would go unnoticed
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(std=0.5)
+    return model
 
 
-MODELS = [tiny(Qwen2Config), tiny(LlamaConfig), tiny(LlamaConfig, num_key_value_heads=4)]
-MODEL_IDS = ["qwen2-gqa", "llama-gqa", "llama-mha"]
+MODELS = [tiny(Qwen2Config), tiny(LlamaConfig), tiny(LlamaConfig, num_key_value_heads=4),
+          tiny(LlamaConfig, attention_bias=True, mlp_bias=True)]
+MODEL_IDS = ["qwen2-gqa", "llama-gqa", "llama-mha", "llama-biases"]
 
 
 def _lean_and_reference_logits(model, compute_dtype=None, attention_dtype=None):

@@ -19,11 +19,17 @@ def tiny(config_cls, **extra):
     torch.manual_seed(0)
     settings = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    return AutoModelForCausalLM.from_config(config_cls(**{**settings, **extra})).train()
+    model = AutoModelForCausalLM.from_config(config_cls(**{**settings, **extra})).train()
+    with torch.no_grad():  # biases start at zero, where leaving one out would go unnoticed
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(std=0.5)
+    return model
 
 
 MODELS = {"qwen2-gqa": lambda: tiny(Qwen2Config), "llama-gqa": lambda: tiny(LlamaConfig),
-          "llama-mha": lambda: tiny(LlamaConfig, num_key_value_heads=4)}
+          "llama-mha": lambda: tiny(LlamaConfig, num_key_value_heads=4),
+          "llama-biases": lambda: tiny(LlamaConfig, attention_bias=True, mlp_bias=True)}
 
 
 def _batch(steps: int, k: int = 3):
@@ -63,7 +69,9 @@ def test_lean_forward_matches_the_model_in_fp32(name, steps, products, monkeypat
     assert lean.shape == reference.shape == (6, steps, 97)
     assert torch.allclose(lean, reference, atol=1e-5, rtol=1e-5)
     for a, b in zip(lean_grads, reference_grads):
-        assert torch.allclose(a, b, atol=1e-5 * float(b.abs().max()), rtol=1e-4)
+        # fp32 rounding: sums run in another order (cancelling ones, e.g. key-bias gradients, lose
+        # the most), so the bound is relative to the largest entry of the gradient
+        assert torch.allclose(a, b, atol=5e-5 * float(b.abs().max()), rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -85,7 +85,7 @@ def test_projections_keep_only_their_inputs_the_norm_scale_and_the_parameters():
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         gate_up = training_ops.norm_linear(x, norm_weight, 1e-6, [weight[:6], weight[6:]], (), torch.bfloat16)
-        training_ops.swiglu_linear(gate_up, down, torch.bfloat16).float().sum().backward()
+        training_ops.swiglu_linear(gate_up, down, dtype=torch.bfloat16).float().sum().backward()
     allowed = {t.untyped_storage().data_ptr() for t in (x, norm_weight, weight, down, gate_up)}
     rstd = [t for t in kept if t.untyped_storage().data_ptr() not in allowed]
     assert len(rstd) == 1 and rstd[0].shape == (10, 1)  # the norm's one scalar per row

@@ -137,9 +137,9 @@ class LeanDecoder:
                                 v.bias],
                                layer.input_layernorm.weight),
                 o=projection([attn.o_proj.weight], [attn.o_proj.bias]),
-                gate_up=projection([mlp.gate_proj.weight, mlp.up_proj.weight], [None],
+                gate_up=projection([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias],
                                    layer.post_attention_layernorm.weight),
-                down=projection([mlp.down_proj.weight], [None]),
+                down=projection([mlp.down_proj.weight], [mlp.down_proj.bias]),
                 eps=_eps(layer.input_layernorm),
             ))
         self.q_size = self.num_heads * self.head_dim
@@ -456,20 +456,19 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
         attended = attended.view(prompts, kv_heads, k, group, steps, head_dim).permute(0, 2, 4, 1, 3, 5)
 
         attended = torch.cat([attended_prompt, attended.reshape(rows * steps, q_size)])
-        o_biases = [] if attn.o_proj.bias is None else [attn.o_proj.bias]
-        hidden = hidden + training_ops.linear(attended, [attn.o_proj.weight], o_biases, low)
+        hidden = hidden + training_ops.linear(attended, [attn.o_proj.weight], _biases(attn.o_proj), low)
         gate_up = training_ops.norm_linear(hidden, layer.post_attention_layernorm.weight,
                                            _eps(layer.post_attention_layernorm),
-                                           [mlp.gate_proj.weight, mlp.up_proj.weight], (), low)
-        hidden = hidden + training_ops.swiglu_linear(gate_up, mlp.down_proj.weight, low)
+                                           [mlp.gate_proj.weight, mlp.up_proj.weight], _biases(mlp.gate_proj, mlp.up_proj),
+                                           low)
+        hidden = hidden + training_ops.swiglu_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, low)
 
     # The prompt's last position predicts each completion's first token; completion j predicts j + 1.
     prompt_hidden, completion_hidden = hidden.split([prompt_tokens, rows * steps])
     last = prompt_hidden.view(prompts, width, -1)[:, -1].repeat_interleave(k, dim=0)
     outputs = torch.cat([last.unsqueeze(1), completion_hidden.view(rows, steps, hidden.shape[-1])], dim=1)
-    head_biases = [] if model.lm_head.bias is None else [model.lm_head.bias]
-    return training_ops.norm_linear(outputs, inner.norm.weight, _eps(inner.norm), [model.lm_head.weight], head_biases,
-                                    low).float()
+    return training_ops.norm_linear(outputs, inner.norm.weight, _eps(inner.norm), [model.lm_head.weight],
+                                    _biases(model.lm_head), low).float()
 
 
 class _AgentProjections:
@@ -528,6 +527,13 @@ def _qkv_parts(attn, heads: int, kv_heads: int, head_dim: int):
     if any(p.bias is None for p, _, _ in parts):
         return weights, []
     return weights, [_pairs_adjacent(p.bias, count, head_dim) if adjacent else p.bias for p, count, adjacent in parts]
+
+
+def _biases(*linears) -> List[torch.Tensor]:
+    """The biases of `linears` as the bias parts of one projection: none when they have none (the
+    supported architectures give all of a block's projections a bias, or none of them)."""
+    biases = [linear.bias for linear in linears]
+    return [] if any(b is None for b in biases) else biases
 
 
 def _rotation_table(rotary, like: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

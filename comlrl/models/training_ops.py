@@ -170,32 +170,33 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight_p
 
 
 class _SwiGLULinear(torch.autograd.Function):
-    """`swiglu(gate_up)` through the projection `weight` (cast to `dtype`)."""
+    """`swiglu(gate_up)` through the projection `weight` and `bias` (cast to `dtype`)."""
 
     @staticmethod
-    def forward(ctx, gate_up, weight, dtype):
+    def forward(ctx, gate_up, weight, bias, dtype):
         gate, up = gate_up.chunk(2, dim=-1)
-        ctx.save_for_backward(gate_up, weight)
+        ctx.save_for_backward(gate_up, weight, *([] if bias is None else [bias]))
         ctx.dtype, ctx.weights_at = dtype, 1
-        return onednn.forward(F.silu(gate) * up, weight.to(dtype))
+        return _project(F.silu(gate) * up, [weight], [] if bias is None else [bias], dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        gate_up, weight = ctx.saved_tensors
+        gate_up, weight, *bias = ctx.saved_tensors
         gate, up = gate_up.chunk(2, dim=-1)
         silu_gate = F.silu(gate)
-        grad_hidden, (grad_w,), _ = _projection_backward(ctx, grad, silu_gate * up, [weight], [], ctx.dtype)
+        grad_hidden, (grad_w,), grad_bias = _projection_backward(ctx, grad, silu_gate * up, [weight], bias, ctx.dtype)
         grad_gate_up = torch.empty_like(gate_up)
         grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
         torch.mul(grad_hidden, silu_gate, out=grad_up)
         torch.ops.aten.silu_backward.grad_input(grad_hidden * up, gate, grad_input=grad_gate)
-        return grad_gate_up, grad_w, None
+        return grad_gate_up, grad_w, (grad_bias or [None])[0], None
 
 
-def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """`F.linear(swiglu(gate_up), weight)` for 2-D gate_up, the weight cast to `dtype` (default:
-    gate_up's dtype). Keeps only gate_up and the weight for the backward pass."""
-    return _SwiGLULinear.apply(gate_up, weight, dtype or gate_up.dtype)
+def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """`F.linear(swiglu(gate_up), weight, bias)` for 2-D gate_up, weight and bias cast to `dtype`
+    (default: gate_up's dtype). Keeps only gate_up and the parameters for the backward pass."""
+    return _SwiGLULinear.apply(gate_up, weight, bias, dtype or gate_up.dtype)
 
 
 class _Linear(torch.autograd.Function):
