@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, Qwen2Config
 
 from comlrl import rollout
 from comlrl.models import lean as lean_module
 from comlrl.models import onednn
 from comlrl.models import load_causal_lm, load_tokenizer
-from comlrl.models.lean import StackedLeanDecoder, cache_argument, lean_decoder_for
+from comlrl.models.lean import StackedLeanDecoder, cache_argument, lean_decoder_for, supports_lean_path
 from comlrl.precision import autocast
 from comlrl.rollout import SamplingSettings, sample_completions
 
@@ -29,8 +29,8 @@ def tiny(config_cls, **extra):
 
 
 MODELS = [tiny(Qwen2Config), tiny(LlamaConfig), tiny(LlamaConfig, num_key_value_heads=4),
-          tiny(LlamaConfig, attention_bias=True, mlp_bias=True)]
-MODEL_IDS = ["qwen2-gqa", "llama-gqa", "llama-mha", "llama-biases"]
+          tiny(LlamaConfig, attention_bias=True, mlp_bias=True), tiny(MistralConfig, sliding_window=None)]
+MODEL_IDS = ["qwen2-gqa", "llama-gqa", "llama-mha", "llama-biases", "mistral"]
 
 
 def _lean_and_reference_logits(model, compute_dtype=None, attention_dtype=None):
@@ -229,3 +229,13 @@ def test_packed_and_batched_projections_decode_the_same_tokens(tiny_model_dir, d
     batched = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [dtype] * 2)
     for a, b in zip(packed, batched):
         assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+def test_architectures_the_lean_paths_do_not_reproduce_are_left_to_the_model():
+    """Sliding-window attention and other activations than SiLU fall back to the model's forward."""
+    assert supports_lean_path(tiny(MistralConfig, sliding_window=None))
+    assert not supports_lean_path(tiny(MistralConfig, sliding_window=16))
+    assert not supports_lean_path(tiny(LlamaConfig, hidden_act="gelu"))
+    qwen_windowed = tiny(Qwen2Config, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    assert "sliding_attention" in qwen_windowed.config.layer_types
+    assert not supports_lean_path(qwen_windowed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from comlrl.losses import _transformers_shared_prompt_logits, completion_mask, shared_prompt_token_logprobs
 from comlrl.models import onednn
@@ -29,7 +29,8 @@ def tiny(config_cls, **extra):
 
 MODELS = {"qwen2-gqa": lambda: tiny(Qwen2Config), "llama-gqa": lambda: tiny(LlamaConfig),
           "llama-mha": lambda: tiny(LlamaConfig, num_key_value_heads=4),
-          "llama-biases": lambda: tiny(LlamaConfig, attention_bias=True, mlp_bias=True)}
+          "llama-biases": lambda: tiny(LlamaConfig, attention_bias=True, mlp_bias=True),
+          "mistral": lambda: tiny(MistralConfig, sliding_window=None)}
 
 
 def _batch(steps: int, k: int = 3):
