@@ -95,51 +95,28 @@ class LeanDecoder:
 
         low = self.compute_dtype
 
-        def projection(weights: List[torch.Tensor], biases: List[Optional[torch.Tensor]],
+        def projection(weights: List[torch.Tensor], biases: List[torch.Tensor],
                        norm: Optional[torch.Tensor] = None) -> onednn.PackedLinear:
-            """The weights' rows stacked into one projection, with `norm` folded into its columns:
-            each weight is read once and written once into the result (one weight in the
-            compute dtype without a norm is used as it is)."""
-            if len(weights) == 1 and norm is None:
-                weight = weights[0].to(low)
-            else:
-                weight = torch.empty(sum(w.numel() // w.shape[-1] for w in weights), weights[0].shape[-1],
-                                     dtype=low, device=weights[0].device)
-                start = 0
-                for part in weights:
-                    rows = part.numel() // part.shape[-1]
-                    target = weight[start:start + rows].view(part.shape)
-                    if norm is None:
-                        target.copy_(part)
-                    else:
-                        torch.mul(part, norm, out=target)
-                    start += rows
-            bias = None if any(b is None for b in biases) else torch.cat([b.reshape(-1) for b in biases]).to(low)
-            return onednn.PackedLinear(weight, bias)
+            """The weight parts joined into one projection in the compute dtype, `norm` folded
+            into its columns (`training_ops.joined_weight`)."""
+            return onednn.PackedLinear(training_ops.joined_weight(weights, low, norm), training_ops.joined_bias(biases, low))
 
         self.num_heads, self.num_kv_heads, self.head_dim = _head_shape(config)
         self.embed = inner.embed_tokens.weight
         self.final_eps = _eps(inner.norm)
-        self.lm_head = projection([model.lm_head.weight], [model.lm_head.bias], inner.norm.weight)
+        self.lm_head = projection([model.lm_head.weight], _biases(model.lm_head), inner.norm.weight)
         self.rotary = inner.rotary_emb
-
-        def pairs_adjacent(t: Optional[torch.Tensor], heads: int) -> Optional[torch.Tensor]:
-            return None if t is None else _pairs_adjacent(t, heads, self.head_dim)
 
         self.layers: List[_Layer] = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
             self.layers.append(_Layer(
-                qkv=projection([pairs_adjacent(q.weight, self.num_heads), pairs_adjacent(k.weight, self.num_kv_heads),
-                                v.weight],
-                               [pairs_adjacent(q.bias, self.num_heads), pairs_adjacent(k.bias, self.num_kv_heads),
-                                v.bias],
+                qkv=projection(*_qkv_parts(attn, self.num_heads, self.num_kv_heads, self.head_dim),
                                layer.input_layernorm.weight),
-                o=projection([attn.o_proj.weight], [attn.o_proj.bias]),
-                gate_up=projection([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias],
+                o=projection([attn.o_proj.weight], _biases(attn.o_proj)),
+                gate_up=projection([mlp.gate_proj.weight, mlp.up_proj.weight], _biases(mlp.gate_proj, mlp.up_proj),
                                    layer.post_attention_layernorm.weight),
-                down=projection([mlp.down_proj.weight], [mlp.down_proj.bias]),
+                down=projection([mlp.down_proj.weight], _biases(mlp.down_proj)),
                 eps=_eps(layer.input_layernorm),
             ))
         self.q_size = self.num_heads * self.head_dim
@@ -519,14 +496,17 @@ def _head_shape(config) -> Tuple[int, int, int]:
 
 
 def _qkv_parts(attn, heads: int, kv_heads: int, head_dim: int):
-    """The q, k and v projections' weights and biases (empty when they have none) as the parts of
-    one projection (rows q, k, v), each a view of its parameter, with the query and key rows of each
-    head in `_pairs_adjacent` order (for `training_ops.rotary`)."""
-    parts = [(attn.q_proj, heads, True), (attn.k_proj, kv_heads, True), (attn.v_proj, kv_heads, False)]
-    weights = [_pairs_adjacent(p.weight, count, head_dim) if adjacent else p.weight for p, count, adjacent in parts]
-    if any(p.bias is None for p, _, _ in parts):
-        return weights, []
-    return weights, [_pairs_adjacent(p.bias, count, head_dim) if adjacent else p.bias for p, count, adjacent in parts]
+    """The q, k and v projections' weights and biases (`_biases`) as the parts of one projection
+    (rows q, k, v), each a view of its parameter, with the query and key rows of each head in
+    `_pairs_adjacent` order (for `training_ops.rotary`)."""
+    def reordered(t: torch.Tensor, count: int) -> torch.Tensor:
+        return _pairs_adjacent(t, count, head_dim)
+
+    weights = [reordered(attn.q_proj.weight, heads), reordered(attn.k_proj.weight, kv_heads), attn.v_proj.weight]
+    biases = _biases(attn.q_proj, attn.k_proj, attn.v_proj)
+    if biases:
+        biases = [reordered(biases[0], heads), reordered(biases[1], kv_heads), biases[2]]
+    return weights, biases
 
 
 def _biases(*linears) -> List[torch.Tensor]:
@@ -544,6 +524,7 @@ def _rotation_table(rotary, like: torch.Tensor, positions: torch.Tensor) -> torc
     half = cos.shape[-1] // 2
     real = torch.promote_types(cos.dtype, torch.float32)
     return torch.complex(cos[..., :half].to(real), sin[..., :half].to(real)).unsqueeze(-2)
+
 
 def _eps(norm) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))

@@ -70,20 +70,27 @@ def rotary(x: torch.Tensor, rotation: torch.Tensor, out_dtype: Optional[torch.dt
     return _Rotary.apply(x, rotation, out_dtype or torch.promote_types(x.dtype, torch.float32))
 
 
-def _joined(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def joined_weight(parts: Sequence[torch.Tensor], dtype: torch.dtype,
+                  norm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The weight parts' rows (each part (rows..., columns)) stacked into one (rows, columns)
-    tensor of `dtype`, each part read once; a single part is reshaped and cast only if it must be."""
-    if len(parts) == 1:
+    tensor of `dtype`, with `norm` (columns,) folded into its columns when given, each part read
+    once and written once. A single part without a norm is reshaped and cast only if it must be
+    (a view of it when it already has `dtype`)."""
+    if len(parts) == 1 and norm is None:
         part = parts[0]
         return part.reshape(-1, part.shape[-1]).to(dtype)
     rows = [p.numel() // p.shape[-1] for p in parts]
     joined = torch.empty(sum(rows), parts[0].shape[-1], dtype=dtype, device=parts[0].device)
     for target, part in zip(joined.split(rows), parts):
-        target.view(part.shape).copy_(part)
+        if norm is None:
+            target.view(part.shape).copy_(part)
+        else:
+            torch.mul(part, norm, out=target.view(part.shape))
     return joined
 
 
-def _joined_bias(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+def joined_bias(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The bias parts concatenated in `dtype`; None for no parts."""
     if not parts:
         return None
     return torch.cat([p.reshape(-1) for p in parts]).to(dtype) if len(parts) > 1 else parts[0].reshape(-1).to(dtype)
@@ -99,7 +106,7 @@ def _split_like(joined: torch.Tensor, parts: Sequence[torch.Tensor]) -> List[tor
 def _projection_backward(ctx, grad: torch.Tensor, x: torch.Tensor, weight_parts, bias_parts, dtype):
     """(grad of the projection's input, grads of its weight parts, grads of its bias parts) for
     y = x W^T + b, W and b joined from their parts in `dtype`."""
-    weight = _joined(weight_parts, dtype)
+    weight = joined_weight(weight_parts, dtype)
     grad_x = onednn.grad_input(grad, weight)
     first = ctx.weights_at
     grad_weights = [None] * len(weight_parts)
@@ -112,7 +119,7 @@ def _projection_backward(ctx, grad: torch.Tensor, x: torch.Tensor, weight_parts,
 
 
 def _project(x: torch.Tensor, weight_parts, bias_parts, dtype) -> torch.Tensor:
-    return onednn.forward(x, _joined(weight_parts, dtype), _joined_bias(bias_parts, dtype))
+    return onednn.forward(x, joined_weight(weight_parts, dtype), joined_bias(bias_parts, dtype))
 
 
 class _NormLinear(torch.autograd.Function):
