@@ -7,12 +7,15 @@ is the usual recipe for RL fine-tuning on GPUs, and on CPUs with native bf16 dot
 
 * ``"no"``   -- run everything in the model's dtype.
 * ``"bf16"`` -- bf16 products wherever the device can run them (any CPU, CUDA with bf16 support).
+  A CPU without native bf16 instructions (no AVX-512 or AMX: an AVX2-only AMD EPYC, say) runs
+  them on PyTorch's reference kernels, several times slower than fp32; a warning says so.
 * ``"auto"`` -- bf16 on CUDA devices that support it, the model's dtype elsewhere. The CPU stays
   exact by default because bf16 changes the numbers a run produces; opt in there with ``"bf16"``.
 """
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager, nullcontext
 from typing import Iterator, Optional
 
@@ -33,7 +36,19 @@ def compute_dtype(setting: str, device: torch.device) -> Optional[torch.dtype]:
         raise ValueError(f"mixed_precision='bf16' but {device} has no bf16 support; use 'no' or 'auto'.")
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"mixed_precision='bf16' is supported on cpu and cuda devices, not {device.type}; use 'no'.")
+    if device.type == "cpu" and not cpu_has_native_bf16():
+        warnings.warn("mixed_precision='bf16': this CPU has no native bf16 instructions (AVX-512 or AMX), so bf16 "
+                      "products run on slow reference kernels; mixed_precision='no' (fp32) is faster here.",
+                      stacklevel=2)
     return torch.bfloat16
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN, which runs PyTorch's bf16 products on the CPU, has bf16 kernels here."""
+    try:
+        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def autocast(device: torch.device, dtype: Optional[torch.dtype]):

@@ -37,6 +37,21 @@ def test_compute_dtype_resolution():
         MAGRPOConfig(mixed_precision="fp8")
 
 
+def test_bf16_on_a_cpu_without_native_bf16_warns_that_fp32_is_faster(monkeypatch):
+    import warnings
+
+    import comlrl.precision as precision
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    with pytest.warns(UserWarning, match="no native bf16 instructions"):
+        assert compute_dtype("bf16", CPU) is torch.bfloat16  # still honoured: the numbers are bf16's
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compute_dtype("bf16", CPU) is torch.bfloat16
+        assert compute_dtype("no", CPU) is None
+
+
 def test_bucketed_widths():
     assert [bucketed_width(w, 10_000) for w in (1, 8, 9, 63, 64, 65)] == [8, 8, 16, 64, 64, 72]
     coarse = [bucketed_width(w, 10_000, coarse=True) for w in (1, 8, 9, 12, 13, 17, 25, 33, 49, 63, 65, 97)]

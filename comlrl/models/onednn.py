@@ -32,6 +32,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..precision import cpu_has_native_bf16
+
 
 def _available() -> bool:
     mkldnn = getattr(torch.ops, "mkldnn", None)
@@ -43,6 +45,12 @@ def _available() -> bool:
 
 
 AVAILABLE = _available()
+
+
+#: Whether oneDNN has native bf16 kernels on this CPU (AVX512-BF16, AMX, or at least AVX-512 or
+#: AVX-NE-CONVERT to emulate them). Without them it refuses to pack a bf16 weight, and bf16 products
+#: run on PyTorch's reference kernels (an AVX2-only AMD EPYC, for one).
+BF16_AVAILABLE = AVAILABLE and cpu_has_native_bf16()
 
 #: Weights with fewer elements stay on `F.linear`: fp32 ones on MKL, bf16 ones unpacked. oneDNN
 #: keeps a generated kernel per product shape (on the order of 1 MB of memory each), and a packed
@@ -98,7 +106,8 @@ class PackedLinear:
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
         self.out_features = weight.shape[0]
-        self.packed = _large_on_cpu(weight) and weight.dtype in (torch.float32, torch.bfloat16)
+        self.packed = _large_on_cpu(weight) and (
+            weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and BF16_AVAILABLE))
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if self.packed else weight
         self.bias = bias
 
