@@ -200,6 +200,7 @@ def test_a_single_agent_decodes_on_views_of_its_weights(tiny_model_dir, monkeypa
     place (the batched-matmul path, used off the CPU) or reordered once per sampling call for
     oneDNN (the CPU): never copied into a stacked tensor."""
     monkeypatch.setattr(onednn, "MIN_WEIGHT_ELEMENTS", 0)  # pack the small model's weights too
+    monkeypatch.setattr(onednn, "FP32_THROUGH_ONEDNN", True)  # and fp32 ones on a CPU without AVX-512
     model = load_causal_lm(tiny_model_dir)
     o_proj = model.model.layers[0].self_attn.o_proj.weight
     decoder = StackedLeanDecoder([lean_decoder_for(model)])
@@ -222,6 +223,7 @@ def test_packed_and_batched_projections_decode_the_same_tokens(tiny_model_dir, d
     if dtype is not None and not onednn.BF16_AVAILABLE:
         pytest.skip("oneDNN has no bf16 kernels on this CPU: bf16 weights stay unpacked (needs AVX-512 or AMX)")
     monkeypatch.setattr(onednn, "MIN_WEIGHT_ELEMENTS", 0)  # pack the small model's weights too
+    monkeypatch.setattr(onednn, "FP32_THROUGH_ONEDNN", True)  # and fp32 ones on a CPU without AVX-512
     tok = load_tokenizer(tiny_model_dir)
     models = [load_causal_lm(tiny_model_dir), _perturbed(load_causal_lm(tiny_model_dir), 1)]
     settings = SamplingSettings(num_generations=3, max_new_tokens=24, temperature=1.0, top_p=0.95, top_k=50)

@@ -13,8 +13,10 @@ needs_onednn = pytest.mark.skipif(not onednn.AVAILABLE, reason="this torch build
 
 @pytest.fixture
 def any_size(monkeypatch):
-    """Send fp32 weights of every size through oneDNN (the small ones here would stay on F.linear)."""
+    """Send fp32 weights of every size through oneDNN (the small ones here would stay on F.linear), on
+    any CPU."""
     monkeypatch.setattr(onednn, "MIN_WEIGHT_ELEMENTS", 0)
+    monkeypatch.setattr(onednn, "FP32_THROUGH_ONEDNN", True)  # also where MKL is the faster (no AVX-512)
 
 
 def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -50,7 +52,7 @@ def test_the_three_products_match_f_linear_and_its_autograd_through_onednn(with_
     assert len(calls) == 3  # really the oneDNN path
 
 
-def test_non_fp32_tensors_and_small_weights_keep_torchs_kernels_bitwise():
+def test_non_fp32_tensors_and_small_weights_keep_torchs_kernels_bitwise(monkeypatch):
     generator = torch.Generator().manual_seed(2)
     for dtype, rows, columns in ((torch.bfloat16, 256, 256), (torch.float32, 3, 8)):
         x, weight = torch.randn(4, columns, generator=generator).to(dtype), torch.randn(rows, columns, generator=generator).to(dtype)
@@ -61,8 +63,14 @@ def test_non_fp32_tensors_and_small_weights_keep_torchs_kernels_bitwise():
     assert not onednn.PackedLinear(weight).packed
     assert not onednn.PackedLinear(weight.bfloat16()).packed
     large = torch.randn(256, 256)
-    assert onednn.PackedLinear(large).packed == onednn.AVAILABLE
+    assert onednn.PackedLinear(large).packed == onednn.FP32_THROUGH_ONEDNN  # AVX-512 CPUs only
     assert onednn.PackedLinear(large.bfloat16()).packed == onednn.BF16_AVAILABLE  # a CPU without native bf16 refuses
+    # Without AVX-512, large fp32 weights stay on MKL too (it is the faster there)
+    monkeypatch.setattr(onednn, "FP32_THROUGH_ONEDNN", False)
+    x, grad = torch.randn(4, 256, generator=generator), torch.randn(4, 256, generator=generator)
+    for got, expected in zip(_products(x, large, None, grad), _autograd_products(x, large, None, grad)):
+        assert torch.equal(got, expected)
+    assert not onednn.PackedLinear(large).packed
 
 
 @needs_onednn
