@@ -35,7 +35,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 @dataclass
 class _Layer:
     """One agent's decoder layer: its projections as `onednn.PackedLinear`s (packed for oneDNN on
-    the CPU, plain weight and bias elsewhere), with each RMSNorm's scale folded into the projection
+    CPUs where it runs that dtype's products, plain weight and bias elsewhere), with each RMSNorm's scale folded into the projection
     that reads the norm's output, and the norms' epsilon."""
 
     qkv: onednn.PackedLinear
@@ -69,8 +69,8 @@ def lean_decoder_for(model, compute_dtype: Optional[torch.dtype] = None,
 
 class LeanDecoder:
     """One agent's decode weights: a snapshot of its current projections (QKV and gate/up fused),
-    cast to `compute_dtype` when one is given and, on the CPU, reordered for oneDNN
-    (`onednn.PackedLinear`), one layer at a time so that no second copy of every weight is alive at
+    cast to `compute_dtype` when one is given and, on CPUs where oneDNN runs that dtype's products,
+    reordered for it (`onednn.PackedLinear`), one layer at a time so that no second copy of every weight is alive at
     once. Build one per sampling call; `StackedLeanDecoder` decodes with one or several of them.
 
     Two rewrites save elementwise passes on every decode step without changing the function:
@@ -128,8 +128,8 @@ class StackedLeanDecoder:
     """Prefill prompts and decode one token per row against a preallocated KV cache, for one agent
     or several of one architecture at once: every elementwise op and attention call runs once over
     all agents' rows (rows are agent-major, with a leading agent dimension), and each projection is
-    one call per agent on its oneDNN-packed weight (CPU) or one batched matmul over the stacked
-    weights (elsewhere; see `_AgentProjections`).
+    one call per agent on its oneDNN-packed weight (CPUs with AVX-512) or one batched matmul over
+    the stacked weights (elsewhere; see `_AgentProjections`).
 
     At RL sizes a decode step costs mostly per-call overhead (a projection of 8-16 rows is ~50 us
     whatever its width), so two agents decode in little more than the time of one. A row computes

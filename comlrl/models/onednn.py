@@ -114,8 +114,9 @@ def grad_weight(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> to
 
 class PackedLinear:
     """A frozen linear layer for inference: on the CPU its weight is reordered once into oneDNN's
-    blocked layout (a copy); elsewhere, and for weights under `MIN_WEIGHT_ELEMENTS`, it keeps the
-    weight as it is and calls `F.linear`."""
+    blocked layout (a copy) where oneDNN runs that dtype's products (`FP32_THROUGH_ONEDNN`,
+    `BF16_AVAILABLE`); elsewhere, and for weights under `MIN_WEIGHT_ELEMENTS`, it keeps the weight
+    as it is and calls `F.linear`."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
         self.out_features = weight.shape[0]
