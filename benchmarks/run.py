@@ -286,15 +286,20 @@ def native_bf16() -> bool:
     return result.returncode != 0 or result.stdout.strip() == "True"  # a failed probe runs bf16 and shows why
 
 
-def cpu_model() -> str:
+def _cpuinfo(key: str) -> str | None:
+    """The first `key: value` of /proc/cpuinfo (None where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             for line in fh:
-                if line.lower().startswith("model name"):
+                if line.lower().startswith(key):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return None
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or "unknown"
 
 
 def loadavg() -> list[float]:
@@ -340,15 +345,10 @@ def _fmt_ratio(ratio) -> str:
 def cpu_vector_units() -> str:
     """The vector units that decide which kernels run: "AVX-512, AVX512-BF16", "AVX2 only", ...
     (two hosts that both call themselves "AMD EPYC" ran these benchmarks 2x apart)."""
-    flags = set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
+    listed = _cpuinfo("flags")
+    if listed is None:
         return "unknown"
+    flags = set(listed.split())
     named = [name for flag, name in (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"))
              if flag in flags]
     if named:
@@ -397,12 +397,12 @@ def machine_line(info: dict, date: str) -> str:
         if info.get("loadavg_end"):
             load += f", {info['loadavg_end'][0]} at end"
         load += "."
-    if info.get("bf16_skipped"):
-        load += f" {info['bf16_skipped'][0].upper()}{info['bf16_skipped'][1:]}."
+    skipped = info.get("bf16_skipped")
+    skipped = f" {skipped[0].upper()}{skipped[1:]}." if skipped else ""
     return (
         f"Measured {date} on {info['cpu']} ({info.get('cpu_vector', 'vector units not recorded')}; "
         f"{info['cores']} cores), 1 torch thread, "
-        f"Python {info['python']}; {vers}.{load}"
+        f"Python {info['python']}; {vers}.{load}{skipped}"
     )
 
 

@@ -23,9 +23,9 @@ def bucketed_width(width: int, limit: int, coarse: bool = False) -> int:
     24, 32, 48, 64, 96, ... (two steps per doubling: at most half again as wide).
 
     Coarse buckets are for the CPU, whose products run through oneDNN on CPUs with AVX-512
-    (`comlrl.models.onednn`; bf16 products always did), which generates and caches a kernel per shape (~1 MB each): with fine
-    widths a run makes hundreds of shapes, each a fresh kernel build, and its memory grows with
-    them (L benchmark in bf16: 650 shapes and 1.1 GB unbucketed, 120 and 0.7 GB coarse). GPU
+    (`comlrl.models.onednn`; bf16 products always did), which generates and caches a kernel per
+    shape (~1 MB each): with fine widths a run makes hundreds of shapes, each a fresh kernel build,
+    and its memory grows with them (L benchmark in bf16: 650 shapes and 1.1 GB unbucketed, 120 and 0.7 GB coarse). GPU
     kernels have no such per-shape cost, so they get the fine buckets.
     """
     if not coarse:

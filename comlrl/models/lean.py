@@ -35,8 +35,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 @dataclass
 class _Layer:
     """One agent's decoder layer: its projections as `onednn.PackedLinear`s (packed for oneDNN on
-    CPUs where it runs that dtype's products, plain weight and bias elsewhere), with each RMSNorm's scale folded into the projection
-    that reads the norm's output, and the norms' epsilon."""
+    CPUs where it runs that dtype's products, plain weight and bias elsewhere), with each RMSNorm's
+    scale folded into the projection that reads the norm's output, and the norms' epsilon."""
 
     qkv: onednn.PackedLinear
     o: onednn.PackedLinear
@@ -70,8 +70,9 @@ def lean_decoder_for(model, compute_dtype: Optional[torch.dtype] = None,
 class LeanDecoder:
     """One agent's decode weights: a snapshot of its current projections (QKV and gate/up fused),
     cast to `compute_dtype` when one is given and, on CPUs where oneDNN runs that dtype's products,
-    reordered for it (`onednn.PackedLinear`), one layer at a time so that no second copy of every weight is alive at
-    once. Build one per sampling call; `StackedLeanDecoder` decodes with one or several of them.
+    reordered for it (`onednn.PackedLinear`), one layer at a time so that no second copy of every
+    weight is alive at once. Build one per sampling call; `StackedLeanDecoder` decodes with one or
+    several of them.
 
     Two rewrites save elementwise passes on every decode step without changing the function:
 
