@@ -27,7 +27,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import onednn, training_ops
+from . import onednn, small_gemm, training_ops
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -468,6 +468,10 @@ class _AgentProjections:
             return
         weights, biases = [p.weight for p in projections], [p.bias for p in projections]
         single = len(weights) == 1
+        self.panels = None
+        if small_gemm.usable(weights[0]):
+            self.panels = small_gemm.PanelWeights(weights, None if biases[0] is None else biases)
+            return
         if weights[0].device.type == "cpu":
             # MKL's small-row products read an (in, out) weight that is not in cache faster than its
             # transposed view: one medium-model decode step's projections (2 agents x 16 rows, every
@@ -483,6 +487,8 @@ class _AgentProjections:
         if self.packed:
             outputs = [linear(part) for part, linear in zip(x.unbind(0), self.linears)]
             return outputs[0].unsqueeze(0) if len(outputs) == 1 else torch.stack(outputs)
+        if self.panels is not None:
+            return self.panels(x)
         if self.bias is None:
             return torch.bmm(x, self.weight)
         return torch.baddbmm(self.bias, x, self.weight)
