@@ -50,7 +50,7 @@ install: $(STAMP) ## create .venv and install comlrl -e '.[dev,launchers]' (idem
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt $(PIP_ARGS) "$(TORCH_PIN)" -e '.[dev,launchers]'
-	@$(PY) -m comlrl.models.small_gemm  # the decode kernel, compiled once per machine (else on first use)
+	@$(PY) -m comlrl.models.decode_kernels  # the decode kernel, compiled once per machine (else on first use)
 	@touch $@
 
 train: install ## one training run: python experiments/main.py $(ARGS)

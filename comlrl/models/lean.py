@@ -27,7 +27,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import onednn, small_gemm, training_ops
+from . import onednn, decode_kernels, training_ops
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -146,6 +146,8 @@ class StackedLeanDecoder:
                      "q_size", "kv_size", "intermediate", "final_eps", "rotary"):  # rotary: one for all (fusion_signature)
             setattr(self, name, getattr(first, name))
         self.vocab = first.embed.shape[0]
+        # Decode attention in one C call per layer where it runs (fp32 cache on the CPU, one thread).
+        self.kernel_attention = decode_kernels.runs(first.embed.new_empty(0, dtype=self.attention_dtype))
         # One agent's embeddings are used as a view; several agents' are concatenated, once per
         # sampling call (see `fuse_decoding` for when stacking agents pays).
         self.embed = torch.cat([d.embed for d in decoders]) if self.count > 1 else first.embed  # row a*vocab+t
@@ -246,47 +248,64 @@ class StackedLeanDecoder:
         softmax spans both parts. Keys are stored transposed, so no product copies its operands, and
         grouped-query heads are rows of their KV head's product (no repeat of keys or values).
         Measured on the CPU (L benchmark shapes): SDPA over a per-row cache 3.9 ms per step, per-row
-        matmul attention 3.0 ms, this ~2.2 ms."""
+        matmul attention 3.0 ms, this ~2.2 ms. With an fp32 cache on the CPU the same attention runs as
+        one C call per layer (`decode_kernels.attention`), in place of ~40 small torch ops."""
         total = tokens.shape[0]
         rows = total // self.count
-        group = self.num_heads // self.num_kv_heads
-        prompts = total // cache.group_size
         width = cache.prefix_keys[0].shape[-1]
-        shared_rows = cache.group_size * group  # rows of one prompt's product per KV head
         hidden = F.embedding(tokens + self._offsets(total), self.embed).view(self.count, rows, -1)  # (A, rows, hidden)
         bias = attention_bias[..., : width + steps_done + 1]
         scale = self.head_dim ** -0.5
-        low, att = self.compute_dtype, self.attention_dtype
+        low = self.compute_dtype
         for index, layer in enumerate(self.layers):
             x = _normalize(hidden, layer.eps)
             qkv = layer.qkv(_cast(x, low)).view(total, -1)
             query_key = qkv[:, : self.q_size + self.kv_size].view(total, self.num_heads + self.num_kv_heads, self.head_dim)
             query_key = training_ops.rotate_pairs(query_key, rotation)
-            q = _cast(query_key[:, : self.num_heads].reshape(total, self.num_kv_heads, group, self.head_dim), att)
             keys, values = cache.keys[index], cache.values[index]
             keys[:, :, :, steps_done] = query_key[:, self.num_heads:]
             values[:, :, steps_done] = qkv[:, self.q_size + self.kv_size:].view(total, self.num_kv_heads, self.head_dim)
-            # (prompts, K, kv, group, D) -> (prompts, kv, K * group, D): one product per prompt and KV head
-            q_shared = q.view(prompts, cache.group_size, self.num_kv_heads, group, self.head_dim).transpose(1, 2)
-            prefix_scores = torch.matmul(q_shared.reshape(prompts, self.num_kv_heads, shared_rows, self.head_dim),
-                                         cache.prefix_keys[index])
-            prefix_scores = prefix_scores.view(prompts, self.num_kv_heads, cache.group_size, group, width).transpose(1, 2)
-            own_scores = torch.matmul(q, keys[..., : steps_done + 1])  # (total, kv, group, steps_done + 1)
-            scores = torch.cat([prefix_scores.reshape(total, self.num_kv_heads, group, width), own_scores], dim=-1)
-            probs = _cast(torch.add(bias, scores, alpha=scale).softmax(dim=-1, dtype=torch.float32), att)
-            prefix_probs = probs[..., :width].reshape(prompts, cache.group_size, self.num_kv_heads, group, width)
-            prefix_part = torch.matmul(prefix_probs.transpose(1, 2).reshape(prompts, self.num_kv_heads, shared_rows, width),
-                                       cache.prefix_values[index])
-            prefix_part = prefix_part.view(prompts, self.num_kv_heads, cache.group_size, group, self.head_dim).transpose(1, 2)
-            attended = torch.matmul(probs[..., width:], values[:, :, : steps_done + 1]).view(
-                prompts, cache.group_size, self.num_kv_heads, group, self.head_dim) + prefix_part
-            hidden = hidden + layer.o(_cast(attended.reshape(self.count, rows, self.q_size), low))
+            if self.kernel_attention:  # one C call (fp32 on the CPU)
+                attended = decode_kernels.attention(query_key, self.num_heads, cache.group_size, cache.prefix_keys[index],
+                                                    cache.prefix_values[index], keys, values, steps_done + 1,
+                                                    attention_bias, scale)
+            else:
+                attended = self._attention(query_key, cache, index, steps_done, bias, scale)
+            hidden = hidden + layer.o(_cast(attended.view(self.count, rows, self.q_size), low))
             x = _normalize(hidden, layer.eps)
             gate, up = layer.gate_up(_cast(x, low)).split(self.intermediate, dim=-1)
             hidden = hidden + layer.down(F.silu(gate) * up)
         hidden = _normalize(hidden, self.final_eps)
         return self.lm_head(_cast(hidden, low)).view(total, -1)
 
+    def _attention(self, query_key: torch.Tensor, cache: "_DecodeCache", index: int, steps_done: int,
+                   bias: torch.Tensor, scale: float) -> torch.Tensor:
+        """`step`'s attention in torch ops, (rows, heads * head_dim) in the attention dtype: `query_key`
+        (rows, heads + kv heads, head_dim) rotated, this step's keys and values already in the cache,
+        `bias` sliced to the columns in use."""
+        total = query_key.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        prompts = total // cache.group_size
+        width = cache.prefix_keys[index].shape[-1]
+        shared_rows = cache.group_size * group  # rows of one prompt's product per KV head
+        keys, values = cache.keys[index], cache.values[index]
+        q = _cast(query_key[:, : self.num_heads].reshape(total, self.num_kv_heads, group, self.head_dim),
+                  self.attention_dtype)
+        # (prompts, K, kv, group, D) -> (prompts, kv, K * group, D): one product per prompt and KV head
+        q_shared = q.view(prompts, cache.group_size, self.num_kv_heads, group, self.head_dim).transpose(1, 2)
+        prefix_scores = torch.matmul(q_shared.reshape(prompts, self.num_kv_heads, shared_rows, self.head_dim),
+                                     cache.prefix_keys[index])
+        prefix_scores = prefix_scores.view(prompts, self.num_kv_heads, cache.group_size, group, width).transpose(1, 2)
+        own_scores = torch.matmul(q, keys[..., : steps_done + 1])  # (total, kv, group, steps_done + 1)
+        scores = torch.cat([prefix_scores.reshape(total, self.num_kv_heads, group, width), own_scores], dim=-1)
+        probs = _cast(torch.add(bias, scores, alpha=scale).softmax(dim=-1, dtype=torch.float32), self.attention_dtype)
+        prefix_probs = probs[..., :width].reshape(prompts, cache.group_size, self.num_kv_heads, group, width)
+        prefix_part = torch.matmul(prefix_probs.transpose(1, 2).reshape(prompts, self.num_kv_heads, shared_rows, width),
+                                   cache.prefix_values[index])
+        prefix_part = prefix_part.view(prompts, self.num_kv_heads, cache.group_size, group, self.head_dim).transpose(1, 2)
+        attended = torch.matmul(probs[..., width:], values[:, :, : steps_done + 1]).view(
+            prompts, cache.group_size, self.num_kv_heads, group, self.head_dim) + prefix_part
+        return attended.reshape(total, self.q_size)
 
 @dataclass
 class _DecodeCache:
@@ -469,8 +488,8 @@ class _AgentProjections:
         weights, biases = [p.weight for p in projections], [p.bias for p in projections]
         single = len(weights) == 1
         self.panels = None
-        if small_gemm.usable(weights[0]):
-            self.panels = small_gemm.PanelWeights(weights, None if biases[0] is None else biases)
+        if decode_kernels.usable(weights[0]):
+            self.panels = decode_kernels.PanelWeights(weights, None if biases[0] is None else biases)
             return
         if weights[0].device.type == "cpu":
             # MKL's small-row products read an (in, out) weight that is not in cache faster than its

@@ -4,7 +4,7 @@ A decode step multiplies 8-32 rows per agent by every weight of the model, and e
 reused for every step of a sampling call. MKL's sgemm, which `torch.bmm` runs on the CPU, does
 poorly at that shape where it runs its AVX2 code (any AMD CPU, or an Intel one without AVX-512):
 it re-packs the weight on every call and reaches 18-33 GFLOP/s on one core of an AVX2-only AMD
-EPYC (Zen 3). `small_gemm.c` packs each weight once per sampling call into column panels and
+EPYC (Zen 3). `decode_kernels.c` packs each weight once per sampling call into column panels and
 streams them through a 4 x 24 register-blocked AVX2 kernel: measured on the same core, one
 medium-model decode step's projections (2 agents, every weight once, weights out of cache as in
 a real step) 2.6 -> 1.5 ms with 8 rows per agent and 3.4 -> 2.7 ms with 16; in cache, 8 x 256 ->
@@ -16,7 +16,7 @@ not go through oneDNN (`onednn.FP32_THROUGH_ONEDNN`: CPUs with AVX-512, whose pa
 kernels are faster still). The library is compiled once per machine with the system C compiler
 (`cc -O3 -mavx2 -mfma`, about a second) into `$COMLRL_KERNEL_CACHE` (default
 `~/.cache/comlrl/kernels`); `make install` builds it. Without a compiler, or with
-`COMLRL_SMALL_GEMM=0`, the decode steps use `torch.bmm` as before.
+`COMLRL_DECODE_KERNELS=0`, the decode steps use `torch.bmm` as before.
 
 The kernel sums each row's products in input order, one fused multiply-add at a time, so a row's
 result does not depend on how many rows share the call (a sample does not depend on its batch),
@@ -42,9 +42,9 @@ from . import onednn
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("small_gemm.c")
+SOURCE = Path(__file__).with_name("decode_kernels.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
-#: Outputs per panel (NR in small_gemm.c).
+#: Outputs per panel (NR in decode_kernels.c).
 PANEL_WIDTH = 24
 _ALIGN_FLOATS = 8  # 32 bytes: the kernel's aligned loads
 
@@ -66,18 +66,18 @@ def _cpu_supports_kernel() -> bool:
 
 
 def build(directory: Optional[Path] = None) -> Optional[Path]:
-    """Compile small_gemm.c for this machine unless already compiled; returns the library's path,
+    """Compile decode_kernels.c for this machine unless already compiled; returns the library's path,
     or None when there is no C compiler or it fails. Safe to run from several processes at once:
     each compiles into a temporary file and renames it into place."""
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join(FLAGS).encode() + platform.machine().encode()).hexdigest()[:16]
     directory = directory or cache_dir()
-    target = directory / f"small_gemm-{digest}.so"
+    target = directory / f"decode_kernels-{digest}.so"
     if target.exists():
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
-        log.info("small_gemm: no C compiler found; decode projections use torch.bmm")
+        log.info("decode_kernels: no C compiler found; decode projections use torch.bmm")
         return None
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -88,7 +88,7 @@ def build(directory: Optional[Path] = None) -> Optional[Path]:
             os.replace(partial, target)
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", b"") or b""
-        log.warning("small_gemm: compiling %s failed (%s %s); decode projections use torch.bmm",
+        log.warning("decode_kernels: compiling %s failed (%s %s); decode projections use torch.bmm",
                     SOURCE.name, error, detail.decode(errors="replace")[-500:])
         return None
     return target
@@ -104,7 +104,7 @@ def library() -> Optional[ctypes.CDLL]:
     if _loaded:
         return _library
     _loaded = True
-    if os.environ.get("COMLRL_SMALL_GEMM", "1") == "0" or not _cpu_supports_kernel():
+    if os.environ.get("COMLRL_DECODE_KERNELS", "1") == "0" or not _cpu_supports_kernel():
         return None
     path = build()
     if path is None:
@@ -112,7 +112,7 @@ def library() -> Optional[ctypes.CDLL]:
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as error:
-        log.warning("small_gemm: cannot load %s (%s); decode projections use torch.bmm", path, error)
+        log.warning("decode_kernels: cannot load %s (%s); decode projections use torch.bmm", path, error)
         return None
     i64, pointer = ctypes.c_int64, ctypes.c_void_p
     lib.comlrl_pack_panels.argtypes = [pointer, i64, i64, i64, pointer]
@@ -120,14 +120,49 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_panel_gemm.argtypes = [i64, i64, i64, i64, pointer, i64, i64, pointer, i64, pointer, i64,
                                       pointer, i64, i64]
     lib.comlrl_panel_gemm.restype = None
+    lib.comlrl_decode_attention.argtypes = [i64, i64, i64, i64, i64, pointer, i64, pointer, pointer, i64, pointer,
+                                            pointer, i64, i64, pointer, i64, ctypes.c_float, pointer, pointer]
+    lib.comlrl_decode_attention.restype = None
     _library = lib
     return lib
 
 
+def runs(tensor: torch.Tensor) -> bool:
+    """Whether the kernels can run on `tensor`'s dtype and device here: fp32 on the CPU, one torch
+    thread, the library built."""
+    return (tensor.device.type == "cpu" and tensor.dtype == torch.float32 and torch.get_num_threads() == 1
+            and library() is not None)
+
+
 def usable(weight: torch.Tensor) -> bool:
-    """Whether decode products with `weight` should run on the kernel (see the module docstring)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and not onednn.FP32_THROUGH_ONEDNN
-            and torch.get_num_threads() == 1 and library() is not None)
+    """Whether decode products with `weight` should run on the panel kernel: where the kernels run,
+    unless fp32 products go through oneDNN (CPUs with AVX-512, whose packed kernels are faster)."""
+    return runs(weight) and not onednn.FP32_THROUGH_ONEDNN
+
+
+def attention(query_key: torch.Tensor, heads: int, group_size: int, prefix_keys: torch.Tensor,
+              prefix_values: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, steps: int,
+              bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode step's attention (see `lean.StackedLeanDecoder.step`), (rows, heads * head_dim):
+    `query_key` (rows, heads + kv heads, head_dim), rotated, queries first; the prompts' keys
+    (prompts, kv, head_dim, width) and values (prompts, kv, width, head_dim), each shared by
+    `group_size` consecutive rows; every row's generated keys (rows, kv, head_dim, max_new) and
+    values (rows, kv, max_new, head_dim), of which the first `steps` columns are used; `bias`
+    (rows, 1, 1, >= width + steps), additive. All fp32 and contiguous. One softmax per row and
+    head over the prompt and generated columns, as the torch path computes it, to float rounding."""
+    rows, heads_and_kv, dim = query_key.shape
+    kv_heads = heads_and_kv - heads
+    width, max_new = prefix_keys.shape[-1], keys.shape[-1]
+    for tensor in (query_key, prefix_keys, prefix_values, keys, values, bias):
+        if not tensor.is_contiguous() or tensor.dtype != torch.float32:
+            raise ValueError("decode_kernels.attention needs contiguous fp32 tensors")
+    out = torch.empty(rows, heads * dim, dtype=torch.float32)
+    scratch = torch.empty(width + steps, dtype=torch.float32)
+    library().comlrl_decode_attention(
+        rows, kv_heads, heads // kv_heads, dim, group_size, query_key.data_ptr(), heads_and_kv * dim,
+        prefix_keys.data_ptr(), prefix_values.data_ptr(), width, keys.data_ptr(), values.data_ptr(), max_new, steps,
+        bias.data_ptr(), bias.shape[-1], scale, out.data_ptr(), scratch.data_ptr())
+    return out
 
 
 def _aligned_empty(floats: int) -> torch.Tensor:
@@ -144,7 +179,7 @@ class PanelWeights:
 
     def __init__(self, weights: List[torch.Tensor], biases: Optional[List[torch.Tensor]] = None):
         lib = library()
-        assert lib is not None, "PanelWeights needs the kernel: check small_gemm.usable() first"
+        assert lib is not None, "PanelWeights needs the kernel: check decode_kernels.usable() first"
         self._lib = lib
         self.count = len(weights)
         self.out_features, self.in_features = weights[0].shape
@@ -179,4 +214,4 @@ class PanelWeights:
 
 if __name__ == "__main__":  # `make install` builds the library ahead of the first run
     built = build() if _cpu_supports_kernel() else None
-    print(f"small_gemm: {built or 'not built (no AVX2/FMA CPU or no C compiler); decode uses torch.bmm'}")
+    print(f"decode_kernels: {built or 'not built (no AVX2/FMA CPU or no C compiler); decode uses torch.bmm'}")

@@ -1,0 +1,149 @@
+"""The CPU decode kernels compute what torch computes: products with few rows (row by row, as
+torch.bmm) and the decode step's attention."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from comlrl import rollout
+from comlrl.models import onednn, decode_kernels
+from comlrl.rollout import SamplingSettings
+from comlrl.models import load_causal_lm, load_tokenizer
+
+needs_kernel = pytest.mark.skipif(decode_kernels.library() is None,
+                                  reason="the kernel needs an x86-64 CPU with AVX2 and FMA and a C compiler")
+
+
+def _weights(agents: int, out_features: int, in_features: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(out_features, in_features, generator=generator) for _ in range(agents)]
+    biases = [torch.randn(out_features, generator=generator) for _ in range(agents)]
+    return weights, biases
+
+
+@needs_kernel
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 64])
+@pytest.mark.parametrize("shape", [(48, 64), (257, 256), (256, 512), (10, 7)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_panel_products_match_bmm(rows, shape, with_bias):
+    """Every row count (whole and partial 4-row blocks) and output width (whole and partial 24-wide
+    panels), with and without bias, for two agents at once."""
+    out_features, in_features = shape
+    weights, biases = _weights(2, out_features, in_features, seed=rows)
+    x = torch.randn(2, rows, in_features, generator=torch.Generator().manual_seed(1))
+    panels = decode_kernels.PanelWeights(weights, biases if with_bias else None)
+    expected = torch.bmm(x, torch.stack([w.t() for w in weights]))
+    if with_bias:
+        expected = expected + torch.stack(biases).unsqueeze(1)
+    got = panels(x)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    # Sums of up to 512 products of unit normals: fp32 rounding alone differs by ~1e-5 between orders.
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_a_row_computes_the_same_in_any_batch():
+    """Bitwise: a row's sums do not depend on the rows around it, so a sample does not depend on
+    the batch it is decoded in."""
+    weights, biases = _weights(1, 100, 96, seed=0)
+    panels = decode_kernels.PanelWeights(weights, biases)
+    x = torch.randn(1, 13, 96, generator=torch.Generator().manual_seed(2))
+    together = panels(x)
+    for row in range(13):
+        assert torch.equal(panels(x[:, row:row + 1]), together[:, row:row + 1])
+
+
+@needs_kernel
+def test_non_contiguous_inputs_and_wrong_shapes():
+    weights, _ = _weights(1, 30, 16, seed=0)
+    panels = decode_kernels.PanelWeights(weights)
+    x = torch.randn(1, 16, 5).transpose(1, 2)  # (1, 5, 16), not contiguous
+    torch.testing.assert_close(panels(x), x @ weights[0].t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="16 inputs"):
+        panels(torch.randn(1, 5, 17))
+
+
+@needs_kernel
+def test_the_library_is_built_once_per_machine_and_a_missing_compiler_falls_back(tmp_path, monkeypatch, caplog):
+    first = decode_kernels.build(tmp_path)
+    assert first is not None and first.exists()
+    assert decode_kernels.build(tmp_path) == first  # cached: no second compile
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="comlrl.models.decode_kernels"):
+        assert decode_kernels.build(tmp_path / "elsewhere") is None
+    assert "decode projections use torch.bmm" in caplog.text
+
+
+def _reference_attention(query_key, heads, group_size, prefix_keys, prefix_values, keys, values, steps, bias, scale):
+    """Row by row and head by head, in float64: softmax over the prompt's and the row's own columns."""
+    rows, _, dim = query_key.shape
+    kv_heads = query_key.shape[1] - heads
+    out = torch.empty(rows, heads, dim, dtype=torch.float64)
+    width = prefix_keys.shape[-1]
+    for r in range(rows):
+        prompt = r // group_size
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            all_keys = torch.cat([prefix_keys[prompt, kv], keys[r, kv, :, :steps]], dim=1).double()  # (D, width + steps)
+            all_values = torch.cat([prefix_values[prompt, kv], values[r, kv, :steps]]).double()
+            scores = bias[r, 0, 0, : width + steps].double() + scale * (query_key[r, h].double() @ all_keys)
+            out[r, h] = scores.softmax(-1) @ all_values
+    return out.reshape(rows, heads * dim)
+
+
+@needs_kernel
+@pytest.mark.parametrize("steps", [1, 5, 19])
+def test_decode_attention_matches_a_plain_softmax_attention(steps):
+    """Grouped-query heads (4 query heads on 2 KV heads), 3 rows per prompt, left padding masked with
+    -inf (those columns get exactly zero weight), generated columns past `steps` ignored."""
+    generator = torch.Generator().manual_seed(steps)
+    heads, kv_heads, dim, group_size, prompts, width, max_new = 4, 2, 16, 3, 2, 11, 24
+    rows = prompts * group_size
+    query_key = torch.randn(rows, heads + kv_heads, dim, generator=generator)
+    prefix_keys = torch.randn(prompts, kv_heads, dim, width, generator=generator)
+    prefix_values = torch.randn(prompts, kv_heads, width, dim, generator=generator)
+    keys = torch.randn(rows, kv_heads, dim, max_new, generator=generator)
+    values = torch.randn(rows, kv_heads, max_new, dim, generator=generator)
+    bias = torch.zeros(rows, 1, 1, width + max_new)
+    bias[:group_size, ..., :4] = float("-inf")  # the first prompt is left-padded by 4
+    values_poisoned = values.clone()
+    values_poisoned[:, :, steps:] = float("nan")  # columns not generated yet must not be read
+    scale = dim ** -0.5
+    got = decode_kernels.attention(query_key, heads, group_size, prefix_keys, prefix_values, keys, values_poisoned,
+                                   steps, bias, scale)
+    expected = _reference_attention(query_key, heads, group_size, prefix_keys, prefix_values, keys, values, steps,
+                                    bias, scale)
+    assert got.shape == (rows, heads * dim)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-6)
+    padded_values = prefix_values.clone()
+    padded_values[0, :, :4] = 1e6  # masked columns: weight exactly 0, so no trace of these
+    again = decode_kernels.attention(query_key, heads, group_size, prefix_keys, padded_values, keys, values, steps,
+                                     bias, scale)
+    assert torch.equal(again[:group_size], got[:group_size])
+
+
+@needs_kernel
+def test_decode_kernels_and_torch_ops_decode_the_same_tokens(tiny_medium_model_dir, monkeypatch):
+    """Sampling with the kernels (projections and attention) and with torch ops (their fp32 sums
+    round differently) gives the same completions; and the kernels are what decodes by default here."""
+    monkeypatch.setattr(onednn, "FP32_THROUGH_ONEDNN", False)  # CPUs with AVX-512 pack for oneDNN instead
+    tok = load_tokenizer(tiny_medium_model_dir)
+    models = [load_causal_lm(tiny_medium_model_dir) for _ in range(2)]
+    with torch.no_grad():
+        for p in models[1].parameters():
+            p.mul_(1.01)
+    settings = SamplingSettings(num_generations=3, max_new_tokens=24, temperature=1.0, top_p=0.95, top_k=50)
+    prompts, keys = [["Hi:", "Design a playground on Mars:"], ["Ok:", "A"]], [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+    built, attended = [], []
+    original_panels, original_attention = decode_kernels.PanelWeights, decode_kernels.attention
+    monkeypatch.setattr(decode_kernels, "PanelWeights", lambda *a, **k: built.append(1) or original_panels(*a, **k))
+    monkeypatch.setattr(decode_kernels, "attention", lambda *a, **k: attended.append(1) or original_attention(*a, **k))
+    with_kernels = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [None] * 2)
+    assert built and attended, "the decode steps did not use the kernels"
+    monkeypatch.setattr(decode_kernels, "runs", lambda tensor: False)
+    with_torch = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [None] * 2)
+    for a, b in zip(with_kernels, with_torch):
+        assert torch.equal(a.completion_ids, b.completion_ids)
