@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 #: Outputs per panel (NR in decode_kernels.c).
-PANEL_WIDTH = 24
+PANEL_WIDTH = 8
 _ALIGN_FLOATS = 8  # 32 bytes: the kernel's aligned loads
 
 
