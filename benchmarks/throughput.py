@@ -4,7 +4,8 @@ Builds a random-init Qwen2 model with the shape of a released checkpoint (the nu
 config.json, embedded below: nothing is downloaded) and times, for one agent, the two phases of a
 MAGRPO update with the library's own functions:
 
-* generation: `comlrl.rollout.sample_completions` (batched keyed sampling, KV cache, lean decode);
+* generation: `comlrl.rollout.sample_completions` (batched keyed sampling, KV cache, lean decode;
+  on CUDA each decode step is a CUDA graph replay unless COMLRL_CUDA_GRAPHS=0);
 * update: `shared_prompt_token_logprobs` forward, `policy_gradient_loss`, backward, AdamW step,
   under the trainer's precision handling (`comlrl.precision`).
 
@@ -100,7 +101,7 @@ def main(argv=None) -> dict:
     from comlrl.losses import completion_mask, policy_gradient_loss, shared_prompt_token_logprobs
     from comlrl.models import load_tokenizer, tiny_model_path
     from comlrl.precision import compute_dtype
-    from comlrl.rollout import SamplingSettings, sample_completions
+    from comlrl.rollout import SamplingSettings, sample_completions, use_cuda_graphs
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -172,11 +173,12 @@ def main(argv=None) -> dict:
         "device": str(device), "device_name": device_name, "torch": torch.__version__,
         "transformers": transformers.__version__, "threads": torch.get_num_threads(),
         "prompts_per_update": prompts_per_update, "num_generations": k, "prompt_tokens": args.prompt_tokens,
-        "max_new_tokens": max_new, "results": results,
+        "max_new_tokens": max_new, "cuda_graphs": use_cuda_graphs(device, max_new), "results": results,
     }
     print(f"{args.shape} shape, {shape['num_hidden_layers']} layers ({parameters / 1e6:.0f}M parameters), "
           f"{device} ({device_name}), {prompts_per_update} prompts x K={k}, {args.prompt_tokens}-token prompts, "
-          f"{max_new} new tokens; median of {args.repeats} after a warm-up\n")
+          f"{max_new} new tokens{'; decode by CUDA graph replay' if summary['cuda_graphs'] else ''}; "
+          f"median of {args.repeats} after a warm-up\n")
     print("| mixed_precision | products | generation (tokens/s) | update (tokens/s) | generation (s) | update (s) | peak memory (MB) |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for setting, r in results.items():

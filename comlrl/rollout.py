@@ -12,6 +12,8 @@ import hashlib
 import inspect
 import itertools
 import math
+import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -288,6 +290,9 @@ def _decode(model, batches: List[_PromptBatch], settings: SamplingSettings, comp
         bias = decoder.attention_bias(attention)
         # Step-major, so that each step's rotations are one contiguous block.
         rotations = decoder.rotary_table(positions + torch.arange(1, max_new + 1, device=device)).transpose(0, 1).contiguous()
+        if use_cuda_graphs(device, max_new):
+            return _graphed_decode(decoder, cache, logits, uniforms, bias, rotations, eos, pad_id, settings,
+                                  capture=device.type == "cuda")
     steps = 0
     for t in range(max_new):
         tokens = draw_tokens(logits, uniforms[t], settings).masked_fill_(finished, pad_id)
@@ -305,6 +310,83 @@ def _decode(model, batches: List[_PromptBatch], settings: SamplingSettings, comp
                                position_ids=positions, use_cache=True, logits_to_keep=1,
                                **{lean_cache_argument(model): cache}).logits[:, -1, :].float()
     return generated[:, :steps]
+
+
+#: Sampling calls on a CUDA device with at least this many new tokens decode by CUDA graph replay.
+CUDA_GRAPH_MIN_NEW_TOKENS = 8
+
+
+def use_cuda_graphs(device: torch.device, max_new_tokens: int) -> bool:
+    """Whether a lean decode on `device` replays each step as a CUDA graph (`COMLRL_CUDA_GRAPHS=0`
+    turns it off). At RL batch sizes a GPU decode step is bound by launching its few hundred small
+    kernels, not by the arithmetic; one replay launches them all at once."""
+    return (device.type == "cuda" and max_new_tokens >= CUDA_GRAPH_MIN_NEW_TOKENS
+            and os.environ.get("COMLRL_CUDA_GRAPHS", "1") != "0")
+
+
+def _graphed_decode(decoder: StackedLeanDecoder, cache, logits: torch.Tensor, uniforms: torch.Tensor,
+                    bias: torch.Tensor, rotations: torch.Tensor, eos: torch.Tensor, pad_id: int,
+                    settings: SamplingSettings, capture: bool) -> torch.Tensor:
+    """`_decode`'s loop with every step of one fixed shape (`StackedLeanDecoder.step` with the step
+    index as a device tensor), so that, with `capture`, one step (draw, cache write, forward) is
+    captured as a CUDA graph and replayed; the step counter, tokens and logits live in tensors the
+    graph updates in place. Whether every row has finished is read back every
+    `check_every` steps rather than every step; the steps drawn past that point write only padding,
+    and the columns are cut to what the step-by-step loop returns. Without `capture` the same steps
+    run eagerly (how the tests compare this path with `_decode`'s on the CPU)."""
+    device = logits.device
+    rows, max_new = logits.shape[0], uniforms.shape[0]
+    width = bias.shape[-1] - max_new
+    # Row t: -inf on the generated columns past t (not yet written at step t).
+    unwritten = torch.full((max_new, max_new), float("-inf"), dtype=bias.dtype, device=device).triu_(1)
+    unwritten = F.pad(unwritten, (width, 0))
+    # EOS lookup by index: torch.isin sorts (and syncs) when there are many EOS ids.
+    is_eos = torch.zeros(max(logits.shape[1], pad_id + 1, int(eos.max()) + 1), dtype=torch.bool, device=device)
+    is_eos[eos] = True
+    step = torch.zeros(1, dtype=torch.long, device=device)
+    steps_taken = torch.zeros((), dtype=torch.long, device=device)
+    logits = logits.clone()
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    generated = torch.full((rows, max_new), pad_id, dtype=torch.long, device=device)
+
+    def advance():
+        steps_taken.add_((~finished).any().long())  # the step-by-step loop takes this step
+        tokens = draw_tokens(logits, uniforms.index_select(0, step).squeeze(0), settings).masked_fill_(finished, pad_id)
+        generated.index_copy_(1, step, tokens.unsqueeze(1))
+        finished.logical_or_(is_eos.index_select(0, tokens))
+        step_bias = bias + unwritten.index_select(0, step).view(1, 1, 1, -1)
+        logits.copy_(decoder.step(tokens, rotations.index_select(0, step).squeeze(0), cache, step, step_bias))
+        step.add_(1)
+
+    check_every = 8
+    done = 0
+    if capture:
+        # The first step runs eagerly on a side stream (lazy initialisation must not be captured),
+        # then the second is captured; replays take the rest.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            advance()
+        torch.cuda.current_stream(device).wait_stream(side)
+        done = 1
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: agents on other devices may be sampling in other threads meanwhile.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                advance()  # recorded, not run
+            run_step = graph.replay
+        except RuntimeError as error:  # an op that cannot be captured: the same steps, eagerly
+            warnings.warn(f"CUDA graph capture of the decode step failed ({error}); decoding without it. "
+                          "Set COMLRL_CUDA_GRAPHS=0 to skip the attempt.", RuntimeWarning, stacklevel=2)
+            run_step = advance
+    else:
+        run_step = advance
+    while done < max_new:
+        run_step()
+        done += 1
+        if done % check_every == 0 and bool(finished.all()):
+            break
+    return generated[:, : int(steps_taken)]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -244,3 +244,40 @@ def test_architectures_the_lean_paths_do_not_reproduce_are_left_to_the_model():
     qwen_windowed = tiny(Qwen2Config, use_sliding_window=True, sliding_window=16, max_window_layers=1)
     assert "sliding_attention" in qwen_windowed.config.layer_types
     assert not supports_lean_path(qwen_windowed)
+
+
+@pytest.mark.parametrize("eos_share", [0.0, 0.6], ids=["no-early-stop", "rows-stop-early"])
+def test_fixed_shape_decode_samples_what_the_step_by_step_loop_samples(tiny_medium_model_dir, monkeypatch, eos_share):
+    """The CUDA-graph decode's fixed-shape steps (every cache column read, unwritten ones masked,
+    finish read back every few steps), run eagerly on the CPU: the same tokens and the same number
+    of columns as the step-by-step loop. With many EOS ids the rows stop at different steps and the
+    whole batch stops early."""
+    model = load_causal_lm(tiny_medium_model_dir)
+    tok = load_tokenizer(tiny_medium_model_dir)
+    if eos_share:
+        model.generation_config.eos_token_id = list(range(int(eos_share * 256)))
+    settings = SamplingSettings(num_generations=4, max_new_tokens=24, temperature=0.8, top_p=0.9, top_k=50)
+    prompts, keys = ["Hi:", "A longer prompt:"], [(0,), (1,)]
+    step_by_step = sample_completions(model, tok, prompts, settings, keys)
+    fixed_shape_runs = []
+    original = rollout._graphed_decode
+    monkeypatch.setattr(rollout, "use_cuda_graphs", lambda device, max_new: True)
+    monkeypatch.setattr(rollout, "_graphed_decode",
+                        lambda *a, **kw: fixed_shape_runs.append(kw) or original(*a, **kw))
+    fixed_shape = sample_completions(model, tok, prompts, settings, keys)
+    assert fixed_shape_runs == [{"capture": False}]
+    assert torch.equal(fixed_shape.completion_ids, step_by_step.completion_ids)
+    assert torch.equal(fixed_shape.completion_mask, step_by_step.completion_mask)
+    if eos_share:
+        lengths = step_by_step.completion_mask.sum(dim=1)
+        assert step_by_step.completion_ids.shape[1] < settings.max_new_tokens and len(set(lengths.tolist())) > 1
+    else:
+        assert step_by_step.completion_ids.shape[1] == settings.max_new_tokens
+
+
+def test_cuda_graphs_are_used_only_on_cuda_devices(monkeypatch):
+    assert rollout.use_cuda_graphs(torch.device("cuda", 0), 64)
+    assert not rollout.use_cuda_graphs(torch.device("cpu"), 64)
+    assert not rollout.use_cuda_graphs(torch.device("cuda", 0), rollout.CUDA_GRAPH_MIN_NEW_TOKENS - 1)
+    monkeypatch.setenv("COMLRL_CUDA_GRAPHS", "0")
+    assert not rollout.use_cuda_graphs(torch.device("cuda", 0), 64)

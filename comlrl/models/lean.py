@@ -22,7 +22,7 @@ step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -165,13 +165,15 @@ class StackedLeanDecoder:
             ))
 
     def _cache(self, prefix_keys, prefix_values, group_size: int, max_new_tokens: int) -> "_DecodeCache":
-        """The decode cache around the prompts' keys and values: room for every row's generated tokens."""
+        """The decode cache around the prompts' keys and values: room for every row's generated tokens.
+        It starts zeroed: a fixed-shape step (see `step`) reads every column, and a column not yet
+        written must give a finite score for its -inf bias to zero it."""
         keys, values = [], []
         for prefix in prefix_values:
             prompts, heads, _, dim = prefix.shape
             rows = prompts * group_size  # prompts of every agent
-            values.append(prefix.new_empty(rows, heads, max_new_tokens, dim))
-            keys.append(prefix.new_empty(rows, heads, dim, max_new_tokens))
+            values.append(prefix.new_zeros(rows, heads, max_new_tokens, dim))
+            keys.append(prefix.new_zeros(rows, heads, dim, max_new_tokens))
         return _DecodeCache(prefix_keys, prefix_values, keys, values, group_size)
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
@@ -234,12 +236,17 @@ class StackedLeanDecoder:
             self._token_offsets = agent * self.vocab
         return self._token_offsets
 
-    def step(self, tokens: torch.Tensor, rotation: torch.Tensor, cache: "_DecodeCache", steps_done: int,
-             attention_bias: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, rotation: torch.Tensor, cache: "_DecodeCache",
+             steps_done: Union[int, torch.Tensor], attention_bias: torch.Tensor) -> torch.Tensor:
         """Logits (agents * rows, vocab) for `tokens` (agents * rows,), agent-major, whose rotations
         are a (rows, 1, head_dim / 2) slice of `rotary_table`; writes their K/V at column
         `steps_done` of the generated part of the cache. `attention_bias` (from `attention_bias`, over
         prompt width + max_new_tokens columns) is -inf at left padding.
+
+        `steps_done` as a one-element tensor on the device makes the step's shapes fixed, for CUDA
+        graph replay (`rollout`): the K/V are written at that column by `index_copy_`, attention
+        reads every column of the cache, and `attention_bias` must also be -inf past `steps_done`
+        (columns not yet written).
 
         Attention for one query token runs as small batched matmuls in two parts. Against the prompt
         prefix, the query heads of a prompt's K samples are the rows of one product per prompt and
@@ -254,7 +261,9 @@ class StackedLeanDecoder:
         rows = total // self.count
         width = cache.prefix_keys[0].shape[-1]
         hidden = F.embedding(tokens + self._offsets(total), self.embed).view(self.count, rows, -1)  # (A, rows, hidden)
-        bias = attention_bias[..., : width + steps_done + 1]
+        fixed_shape = torch.is_tensor(steps_done)
+        columns = cache.keys[0].shape[-1] if fixed_shape else steps_done + 1  # generated columns attended
+        bias = attention_bias[..., : width + columns]
         scale = self.head_dim ** -0.5
         low = self.compute_dtype
         for index, layer in enumerate(self.layers):
@@ -263,14 +272,20 @@ class StackedLeanDecoder:
             query_key = qkv[:, : self.q_size + self.kv_size].view(total, self.num_heads + self.num_kv_heads, self.head_dim)
             query_key = training_ops.rotate_pairs(query_key, rotation)
             keys, values = cache.keys[index], cache.values[index]
-            keys[:, :, :, steps_done] = query_key[:, self.num_heads:]
-            values[:, :, steps_done] = qkv[:, self.q_size + self.kv_size:].view(total, self.num_kv_heads, self.head_dim)
-            if self.kernel_attention:  # one C call (fp32 on the CPU)
+            new_keys = query_key[:, self.num_heads:]
+            new_values = qkv[:, self.q_size + self.kv_size:].view(total, self.num_kv_heads, self.head_dim)
+            if fixed_shape:
+                keys.index_copy_(3, steps_done, new_keys.unsqueeze(-1).to(keys.dtype))
+                values.index_copy_(2, steps_done, new_values.unsqueeze(2).to(values.dtype))
+            else:
+                keys[:, :, :, steps_done] = new_keys
+                values[:, :, steps_done] = new_values
+            if self.kernel_attention and not fixed_shape:  # one C call (fp32 on the CPU)
                 attended = decode_kernels.attention(query_key, self.num_heads, cache.group_size, cache.prefix_keys[index],
-                                                    cache.prefix_values[index], keys, values, steps_done + 1,
+                                                    cache.prefix_values[index], keys, values, columns,
                                                     attention_bias, scale)
             else:
-                attended = self._attention(query_key, cache, index, steps_done, bias, scale)
+                attended = self._attention(query_key, cache, index, columns, bias, scale)
             hidden = hidden + layer.o(_cast(attended.view(self.count, rows, self.q_size), low))
             x = _normalize(hidden, layer.eps)
             gate, up = layer.gate_up(_cast(x, low)).split(self.intermediate, dim=-1)
@@ -278,11 +293,11 @@ class StackedLeanDecoder:
         hidden = _normalize(hidden, self.final_eps)
         return self.lm_head(_cast(hidden, low)).view(total, -1)
 
-    def _attention(self, query_key: torch.Tensor, cache: "_DecodeCache", index: int, steps_done: int,
+    def _attention(self, query_key: torch.Tensor, cache: "_DecodeCache", index: int, columns: int,
                    bias: torch.Tensor, scale: float) -> torch.Tensor:
         """`step`'s attention in torch ops, (rows, heads * head_dim) in the attention dtype: `query_key`
-        (rows, heads + kv heads, head_dim) rotated, this step's keys and values already in the cache,
-        `bias` sliced to the columns in use."""
+        (rows, heads + kv heads, head_dim) rotated, this step's keys and values already in the cache
+        (the first `columns` generated columns are attended), `bias` sliced to those columns."""
         total = query_key.shape[0]
         group = self.num_heads // self.num_kv_heads
         prompts = total // cache.group_size
@@ -296,14 +311,14 @@ class StackedLeanDecoder:
         prefix_scores = torch.matmul(q_shared.reshape(prompts, self.num_kv_heads, shared_rows, self.head_dim),
                                      cache.prefix_keys[index])
         prefix_scores = prefix_scores.view(prompts, self.num_kv_heads, cache.group_size, group, width).transpose(1, 2)
-        own_scores = torch.matmul(q, keys[..., : steps_done + 1])  # (total, kv, group, steps_done + 1)
+        own_scores = torch.matmul(q, keys[..., :columns])  # (total, kv, group, columns)
         scores = torch.cat([prefix_scores.reshape(total, self.num_kv_heads, group, width), own_scores], dim=-1)
         probs = _cast(torch.add(bias, scores, alpha=scale).softmax(dim=-1, dtype=torch.float32), self.attention_dtype)
         prefix_probs = probs[..., :width].reshape(prompts, cache.group_size, self.num_kv_heads, group, width)
         prefix_part = torch.matmul(prefix_probs.transpose(1, 2).reshape(prompts, self.num_kv_heads, shared_rows, width),
                                    cache.prefix_values[index])
         prefix_part = prefix_part.view(prompts, self.num_kv_heads, cache.group_size, group, self.head_dim).transpose(1, 2)
-        attended = torch.matmul(probs[..., width:], values[:, :, : steps_done + 1]).view(
+        attended = torch.matmul(probs[..., width:], values[:, :, :columns]).view(
             prompts, cache.group_size, self.num_kv_heads, group, self.head_dim) + prefix_part
         return attended.reshape(total, self.q_size)
 
