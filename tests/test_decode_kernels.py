@@ -129,7 +129,7 @@ def test_decode_attention_matches_a_plain_softmax_attention(steps):
 def test_decode_kernels_and_torch_ops_decode_the_same_tokens(tiny_medium_model_dir, monkeypatch):
     """Sampling with the kernels (projections and attention) and with torch ops (their fp32 sums
     round differently) gives the same completions; and the kernels are what decodes by default here."""
-    monkeypatch.setattr(onednn, "FP32_THROUGH_ONEDNN", False)  # CPUs with AVX-512 pack for oneDNN instead
+    monkeypatch.setattr(onednn, "FP32_THROUGH_ONEDNN", True)  # the kernels take precedence over oneDNN's packing
     tok = load_tokenizer(tiny_medium_model_dir)
     models = [load_causal_lm(tiny_medium_model_dir) for _ in range(2)]
     with torch.no_grad():

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Mistra
 
 from comlrl import rollout
 from comlrl.models import lean as lean_module
-from comlrl.models import onednn
+from comlrl.models import decode_kernels, onednn
 from comlrl.models import load_causal_lm, load_tokenizer
 from comlrl.models.lean import StackedLeanDecoder, cache_argument, lean_decoder_for, supports_lean_path
 from comlrl.precision import autocast
@@ -196,11 +196,12 @@ def test_agents_above_the_fusion_size_decode_apart_and_sample_the_same(tiny_mode
 
 
 def test_a_single_agent_decodes_on_views_of_its_weights(tiny_model_dir, monkeypatch):
-    """One agent's decoder reads its (fp32) embeddings in place. Its projections are reordered once
-    per sampling call for oneDNN (CPUs with AVX-512), or copied once into the (in, out) layout MKL
-    reads fastest (other CPUs), or read in place (off the CPU, not run here)."""
+    """One agent's decoder reads its (fp32) embeddings in place. Without the C decode kernels, its
+    projections are reordered once per sampling call for oneDNN (CPUs with AVX-512), or copied once
+    into the (in, out) layout MKL reads fastest (other CPUs), or read in place (off the CPU)."""
     monkeypatch.setattr(onednn, "MIN_WEIGHT_ELEMENTS", 0)  # pack the small model's weights too
     monkeypatch.setattr(onednn, "FP32_THROUGH_ONEDNN", True)  # and fp32 ones on a CPU without AVX-512
+    monkeypatch.setattr(decode_kernels, "runs", lambda tensor: False)  # where the C kernels would take them
     model = load_causal_lm(tiny_model_dir)
     o_proj = model.model.layers[0].self_attn.o_proj.weight
     decoder = StackedLeanDecoder([lean_decoder_for(model)])
@@ -225,6 +226,7 @@ def test_packed_and_batched_projections_decode_the_same_tokens(tiny_model_dir, d
         pytest.skip("oneDNN has no bf16 kernels on this CPU: bf16 weights stay unpacked (needs AVX-512 or AMX)")
     monkeypatch.setattr(onednn, "MIN_WEIGHT_ELEMENTS", 0)  # pack the small model's weights too
     monkeypatch.setattr(onednn, "FP32_THROUGH_ONEDNN", True)  # and fp32 ones on a CPU without AVX-512
+    monkeypatch.setattr(decode_kernels, "runs", lambda tensor: False)  # where the C kernels would take them
     tok = load_tokenizer(tiny_model_dir)
     models = [load_causal_lm(tiny_model_dir), _perturbed(load_causal_lm(tiny_model_dir), 1)]
     settings = SamplingSettings(num_generations=3, max_new_tokens=24, temperature=1.0, top_p=0.95, top_k=50)

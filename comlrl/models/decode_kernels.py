@@ -1,24 +1,25 @@
-"""fp32 decode-step projections on AVX2 CPUs: a small C kernel for products with few rows.
+"""fp32 decode steps on the CPU: small C kernels for the projections and the attention.
 
 A decode step multiplies 8-32 rows per agent by every weight of the model, and each weight is
 reused for every step of a sampling call. MKL's sgemm, which `torch.bmm` runs on the CPU, does
 poorly at that shape where it runs its AVX2 code (any AMD CPU, or an Intel one without AVX-512):
 it re-packs the weight on every call and reaches 18-33 GFLOP/s on one core of an AVX2-only AMD
-EPYC (Zen 3). `decode_kernels.c` packs each weight once per sampling call into column panels and
-streams them through a 4 x 24 register-blocked AVX2 kernel: measured on the same core, one
-medium-model decode step's projections (2 agents, every weight once, weights out of cache as in
-a real step) 2.6 -> 1.5 ms with 8 rows per agent and 3.4 -> 2.7 ms with 16; in cache, 8 x 256 ->
-1024 44 -> 75 GFLOP/s.
+EPYC (Zen 3). `decode_kernels.c` packs each weight once per sampling call into 8-wide column
+panels and streams them through an 8 x 8 register-blocked AVX2 kernel (each panel read once for
+8 rows). Measured on that core, one medium-model decode step's projections (2 agents, every
+weight once, weights out of cache as in a real step): 2.6 -> 1.3 ms with 8 rows per agent, 3.4 ->
+2.5 ms with 16. The step's attention (shared prompt keys, each row's own keys, one softmax) is one
+C call per layer in place of ~40 small torch ops. A 2-agent medium-model sampling call (64
+tokens): 410 -> 256 ms at K=4, 545 -> 404 ms at K=8 on the EPYC; on an Intel Xeon with AVX-512
+and AMX, against oneDNN's packed fp32 kernels, 243 -> 167 ms and 310 -> 256 ms.
 
-Where it runs: fp32 weights on the CPU, with one torch thread (the kernel is single-threaded;
-with more threads MKL splits the work instead), on a CPU with AVX2 and FMA whose fp32 products do
-not go through oneDNN (`onednn.FP32_THROUGH_ONEDNN`: CPUs with AVX-512, whose packed oneDNN
-kernels are faster still). The library is compiled once per machine with the system C compiler
-(`cc -O3 -mavx2 -mfma`, about a second) into `$COMLRL_KERNEL_CACHE` (default
-`~/.cache/comlrl/kernels`); `make install` builds it. Without a compiler, or with
-`COMLRL_DECODE_KERNELS=0`, the decode steps use `torch.bmm` as before.
+Where they run: fp32 tensors on the CPU with one torch thread (the kernels are single-threaded;
+with more threads MKL and oneDNN split the work instead), on a CPU with AVX2 and FMA. The library
+is compiled once per machine with the system C compiler (`cc -O3 -mavx2 -mfma`, about a second)
+into `$COMLRL_KERNEL_CACHE` (default `~/.cache/comlrl/kernels`); `make install` builds it.
+Without a compiler, or with `COMLRL_DECODE_KERNELS=0`, the decode steps use torch ops as before.
 
-The kernel sums each row's products in input order, one fused multiply-add at a time, so a row's
+The kernels sum each row's products in input order, one fused multiply-add at a time, so a row's
 result does not depend on how many rows share the call (a sample does not depend on its batch),
 and it differs from MKL's only by float rounding (tested against `torch.bmm`).
 """
@@ -38,7 +39,6 @@ from typing import List, Optional
 
 import torch
 
-from . import onednn
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +134,6 @@ def runs(tensor: torch.Tensor) -> bool:
             and library() is not None)
 
 
-def usable(weight: torch.Tensor) -> bool:
-    """Whether decode products with `weight` should run on the panel kernel: where the kernels run,
-    unless fp32 products go through oneDNN (CPUs with AVX-512, whose packed kernels are faster)."""
-    return runs(weight) and not onednn.FP32_THROUGH_ONEDNN
-
-
 def attention(query_key: torch.Tensor, heads: int, group_size: int, prefix_keys: torch.Tensor,
               prefix_values: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, steps: int,
               bias: torch.Tensor, scale: float) -> torch.Tensor:
@@ -179,7 +173,7 @@ class PanelWeights:
 
     def __init__(self, weights: List[torch.Tensor], biases: Optional[List[torch.Tensor]] = None):
         lib = library()
-        assert lib is not None, "PanelWeights needs the kernel: check decode_kernels.usable() first"
+        assert lib is not None, "PanelWeights needs the kernel: check decode_kernels.runs() first"
         self._lib = lib
         self.count = len(weights)
         self.out_features, self.in_features = weights[0].shape

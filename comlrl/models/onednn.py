@@ -115,12 +115,12 @@ def grad_weight(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> to
 class PackedLinear:
     """A frozen linear layer for inference: on the CPU its weight is reordered once into oneDNN's
     blocked layout (a copy) where oneDNN runs that dtype's products (`FP32_THROUGH_ONEDNN`,
-    `BF16_AVAILABLE`); elsewhere, and for weights under `MIN_WEIGHT_ELEMENTS`, it keeps the weight
-    as it is and calls `F.linear`."""
+    `BF16_AVAILABLE`); elsewhere, for weights under `MIN_WEIGHT_ELEMENTS`, and with `pack=False`
+    (the caller has a faster kernel for them), it keeps the weight as it is and calls `F.linear`."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pack: bool = True):
         self.out_features = weight.shape[0]
-        self.packed = _large_on_cpu(weight) and (
+        self.packed = pack and _large_on_cpu(weight) and (
             (weight.dtype == torch.float32 and FP32_THROUGH_ONEDNN) or (weight.dtype == torch.bfloat16 and BF16_AVAILABLE))
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if self.packed else weight
         self.bias = bias
