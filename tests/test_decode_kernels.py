@@ -24,17 +24,22 @@ def _weights(agents: int, out_features: int, in_features: int, seed: int):
     return weights, biases
 
 
+#: The kernel families this CPU runs: 8-wide panels (AVX2), and 16-wide ones on AVX-512 CPUs.
+WIDTHS = pytest.mark.parametrize("width", decode_kernels.PANEL_WIDTHS, ids=lambda w: f"panels{w}")
+
+
 @needs_kernel
+@WIDTHS
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 13, 64])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 16, 29, 64])
 @pytest.mark.parametrize("shape", [(48, 64), (257, 256), (256, 512), (10, 7)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_panel_products_match_bmm(rows, shape, with_bias):
-    """Every row count (whole and partial 4-row blocks) and output width (whole and partial 24-wide
-    panels), with and without bias, for two agents at once."""
+def test_panel_products_match_bmm(rows, shape, with_bias, width):
+    """Every row count (whole and partial blocks of 16, 8 and 4 rows) and output width (whole and
+    partial panels), with and without bias, for two agents at once."""
     out_features, in_features = shape
     weights, biases = _weights(2, out_features, in_features, seed=rows)
     x = torch.randn(2, rows, in_features, generator=torch.Generator().manual_seed(1))
-    panels = decode_kernels.PanelWeights(weights, biases if with_bias else None)
+    panels = decode_kernels.PanelWeights(weights, biases if with_bias else None, width=width)
     expected = torch.bmm(x, torch.stack([w.t() for w in weights]))
     if with_bias:
         expected = expected + torch.stack(biases).unsqueeze(1)
@@ -45,15 +50,33 @@ def test_panel_products_match_bmm(rows, shape, with_bias):
 
 
 @needs_kernel
-def test_a_row_computes_the_same_in_any_batch():
+@WIDTHS
+def test_a_row_computes_the_same_in_any_batch(width):
     """Bitwise: a row's sums do not depend on the rows around it, so a sample does not depend on
     the batch it is decoded in."""
     weights, biases = _weights(1, 100, 96, seed=0)
-    panels = decode_kernels.PanelWeights(weights, biases)
-    x = torch.randn(1, 13, 96, generator=torch.Generator().manual_seed(2))
+    panels = decode_kernels.PanelWeights(weights, biases, width=width)
+    x = torch.randn(1, 29, 96, generator=torch.Generator().manual_seed(2))
     together = panels(x)
-    for row in range(13):
+    for row in range(29):
         assert torch.equal(panels(x[:, row:row + 1]), together[:, row:row + 1])
+
+
+@needs_kernel
+@pytest.mark.skipif(len(decode_kernels.PANEL_WIDTHS) < 2, reason="the AVX-512 kernels need an AVX-512 CPU")
+def test_avx512_and_avx2_kernels_agree_bitwise():
+    """Both families sum each output over the inputs in order, one fused multiply-add at a time."""
+    weights, biases = _weights(2, 300, 200, seed=3)
+    x = torch.randn(2, 29, 200, generator=torch.Generator().manual_seed(4))
+    narrow, wide = (decode_kernels.PanelWeights(weights, biases, width=w)(x) for w in (8, 16))
+    assert torch.equal(narrow, wide)
+
+
+def test_a_panel_width_this_cpu_does_not_run_is_refused():
+    if decode_kernels.library() is None:
+        pytest.skip("no kernel library here")
+    with pytest.raises(ValueError, match="panel width 12"):
+        decode_kernels.PanelWeights(_weights(1, 8, 8, seed=0)[0], width=12)
 
 
 @needs_kernel

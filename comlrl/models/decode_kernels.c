@@ -10,7 +10,8 @@
  * 16.) A row's sums run over k in order, the same whatever the number of rows, so a row's result
  * does not depend on the batch it is in.
  *
- * Built with -mavx2 -mfma; the loader checks that the CPU has both before it loads the library.
+ * Built with -mavx2 -mfma; the loader checks that the CPU has both before it loads the library, and
+ * uses the AVX-512 kernels below only where torch reports AVX-512.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -20,18 +21,19 @@
 #define NR 8
 #define PREFETCH_ROWS 64 /* panel rows ahead (2 KB): measured best of 16/32/64/128 on an AVX2 EPYC */
 
-/* w: n x k (row stride ldw), out: ceil(n / NR) * k * NR floats, 32-byte aligned. */
-void comlrl_pack_panels(const float *w, int64_t n, int64_t k, int64_t ldw, float *out) {
-    int64_t panels = (n + NR - 1) / NR;
+/* w: n x k (row stride ldw), out: ceil(n / width) * k * width floats, 64-byte aligned; width is
+ * NR (AVX2 kernels) or NR16 (AVX-512 kernels). */
+void comlrl_pack_panels(const float *w, int64_t n, int64_t k, int64_t ldw, float *out, int64_t width) {
+    int64_t panels = (n + width - 1) / width;
     for (int64_t p = 0; p < panels; p++) {
-        float *dst = out + p * k * NR;
-        for (int64_t j = 0; j < NR; j++) {
-            int64_t row = p * NR + j;
+        float *dst = out + p * k * width;
+        for (int64_t j = 0; j < width; j++) {
+            int64_t row = p * width + j;
             if (row < n) {
                 const float *src = w + row * ldw;
-                for (int64_t i = 0; i < k; i++) dst[i * NR + j] = src[i];
+                for (int64_t i = 0; i < k; i++) dst[i * width + j] = src[i];
             } else {
-                for (int64_t i = 0; i < k; i++) dst[i * NR + j] = 0.0f;
+                for (int64_t i = 0; i < k; i++) dst[i * width + j] = 0.0f;
             }
         }
     }
@@ -75,13 +77,83 @@ KERNEL(rows3, ROW_INIT(0) ROW_INIT(1) ROW_INIT(2), ROW_FMA(0) ROW_FMA(1) ROW_FMA
 KERNEL(rows2, ROW_INIT(0) ROW_INIT(1), ROW_FMA(0) ROW_FMA(1), ROW_STORE(0) ROW_STORE(1))
 KERNEL(rows1, ROW_INIT(0), ROW_FMA(0), ROW_STORE(0))
 
+/* The same on AVX-512 CPUs: 16-wide panels (one cache line per input), up to 16 rows per pass
+ * (16 of the 32 registers hold sums), so at the decode step's 16 rows per agent each panel is read
+ * once. Each sum runs over k in the same order, one fused multiply-add at a time, so the results
+ * equal the AVX2 kernels' bit for bit. */
+#define NR16 16
+#define PREFETCH_ROWS16 32 /* 2 KB ahead, as above */
+#define AVX512 __attribute__((target("avx512f")))
+#define ROW16_INIT(r) __m512 c##r = _mm512_setzero_ps();
+#define ROW16_FMA(r) c##r = _mm512_fmadd_ps(_mm512_set1_ps(x[(r) * ldx + i]), b, c##r);
+#define ROW16_STORE(r) { \
+    if (bias) c##r = _mm512_add_ps(c##r, _mm512_loadu_ps(bias)); \
+    _mm512_mask_storeu_ps(c + (r) * ldc, mask, c##r); }
+#define KERNEL16(NAME, INIT, FMA, STORE) \
+static AVX512 void NAME(int64_t k, const float *x, int64_t ldx, const float *panel, const float *bias, \
+                        float *c, int64_t ldc, int cols) { \
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1u); \
+    INIT \
+    for (int64_t i = 0; i < k; i++) { \
+        const float *row = panel + i * NR16; \
+        _mm_prefetch((const char *)(row + PREFETCH_ROWS16 * NR16), _MM_HINT_T0); \
+        __m512 b = _mm512_loadu_ps(row); \
+        FMA \
+    } \
+    STORE \
+}
+#define R16(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15)
+#define R8(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
+#define R4(M) M(0) M(1) M(2) M(3)
+KERNEL16(rows16x16, R16(ROW16_INIT), R16(ROW16_FMA), R16(ROW16_STORE))
+KERNEL16(rows8x16, R8(ROW16_INIT), R8(ROW16_FMA), R8(ROW16_STORE))
+KERNEL16(rows4x16, R4(ROW16_INIT), R4(ROW16_FMA), R4(ROW16_STORE))
+KERNEL16(rows3x16, ROW16_INIT(0) ROW16_INIT(1) ROW16_INIT(2), ROW16_FMA(0) ROW16_FMA(1) ROW16_FMA(2),
+         ROW16_STORE(0) ROW16_STORE(1) ROW16_STORE(2))
+KERNEL16(rows2x16, ROW16_INIT(0) ROW16_INIT(1), ROW16_FMA(0) ROW16_FMA(1), ROW16_STORE(0) ROW16_STORE(1))
+KERNEL16(rows1x16, ROW16_INIT(0), ROW16_FMA(0), ROW16_STORE(0))
+
+static AVX512 void panel_gemm16(int64_t batch, int64_t m, int64_t n, int64_t k,
+                                const float *x, int64_t x_batch_stride, int64_t ldx,
+                                const float *packed, int64_t packed_batch_stride,
+                                const float *bias, int64_t bias_batch_stride,
+                                float *c, int64_t c_batch_stride, int64_t ldc) {
+    int64_t panels = (n + NR16 - 1) / NR16;
+    for (int64_t a = 0; a < batch; a++) {
+        const float *xa = x + a * x_batch_stride, *wa = packed + a * packed_batch_stride;
+        const float *ba = bias ? bias + a * bias_batch_stride : 0;
+        float *ca = c + a * c_batch_stride;
+        for (int64_t p = 0; p < panels; p++) {
+            int64_t c0 = p * NR16;
+            int cols = n - c0 < NR16 ? (int)(n - c0) : NR16;
+            const float *panel = wa + p * k * NR16, *b = ba ? ba + c0 : 0;
+            int64_t r = 0;
+            for (; r + 16 <= m; r += 16) rows16x16(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols);
+            if (r + 8 <= m) { rows8x16(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); r += 8; }
+            if (r + 4 <= m) { rows4x16(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); r += 4; }
+            switch (m - r) {
+                case 3: rows3x16(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); break;
+                case 2: rows2x16(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); break;
+                case 1: rows1x16(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); break;
+                default: break;
+            }
+        }
+    }
+}
+
 /* For each of `batch` (x, packed weight, bias, c): c (m x n, row stride ldc) = x (m x k, row stride
- * ldx) times the packed weight, plus bias (padded to whole panels; NULL for none). */
+ * ldx) times the weight packed `width` wide (NR16: the AVX-512 kernels, which the caller has checked
+ * the CPU runs), plus bias (padded to whole panels; NULL for none). */
 void comlrl_panel_gemm(int64_t batch, int64_t m, int64_t n, int64_t k,
                        const float *x, int64_t x_batch_stride, int64_t ldx,
                        const float *packed, int64_t packed_batch_stride,
                        const float *bias, int64_t bias_batch_stride,
-                       float *c, int64_t c_batch_stride, int64_t ldc) {
+                       float *c, int64_t c_batch_stride, int64_t ldc, int64_t width) {
+    if (width == NR16) {
+        panel_gemm16(batch, m, n, k, x, x_batch_stride, ldx, packed, packed_batch_stride, bias, bias_batch_stride,
+                     c, c_batch_stride, ldc);
+        return;
+    }
     int64_t panels = (n + NR - 1) / NR;
     for (int64_t a = 0; a < batch; a++) {
         const float *xa = x + a * x_batch_stride, *wa = packed + a * packed_batch_stride;

@@ -13,11 +13,18 @@ C call per layer in place of ~40 small torch ops. A 2-agent medium-model samplin
 tokens): 410 -> 256 ms at K=4, 545 -> 404 ms at K=8 on the EPYC; on an Intel Xeon with AVX-512
 and AMX, against oneDNN's packed fp32 kernels, 243 -> 167 ms and 310 -> 256 ms.
 
+On CPUs with AVX-512 the products use 16-wide panels and up to 16 rows per pass (16 of the 32
+vector registers hold sums), so at 16 rows per agent each panel is read once. On the Xeon, one
+step's projections 1.70 -> 1.14 ms at 16 rows per agent (89 -> 132 GFLOP/s) and 0.95 -> 0.80 ms
+at 8; the sampling call above 177 -> 161 ms (K=4) and 270 -> 230 ms (K=8), same tokens: both
+kernel families sum in the same order, so their results are equal bit for bit.
+
 Where they run: fp32 tensors on the CPU with one torch thread (the kernels are single-threaded;
-with more threads MKL and oneDNN split the work instead), on a CPU with AVX2 and FMA. The library
-is compiled once per machine with the system C compiler (`cc -O3 -mavx2 -mfma`, about a second)
-into `$COMLRL_KERNEL_CACHE` (default `~/.cache/comlrl/kernels`); `make install` builds it.
-Without a compiler, or with `COMLRL_DECODE_KERNELS=0`, the decode steps use torch ops as before.
+with more threads MKL and oneDNN split the work instead), on a CPU with AVX2 and FMA, and the
+16-wide products where PyTorch reports AVX-512. The library is compiled once per machine with the
+system C compiler (`cc -O3 -mavx2 -mfma`, about a second; the AVX-512 functions carry their own
+target attribute) into `$COMLRL_KERNEL_CACHE` (default `~/.cache/comlrl/kernels`); `make install`
+builds it. Without a compiler, or with `COMLRL_DECODE_KERNELS=0`, the decode steps use torch ops.
 
 The kernels sum each row's products in input order, one fused multiply-add at a time, so a row's
 result does not depend on how many rows share the call (a sample does not depend on its batch),
@@ -44,9 +51,20 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
-#: Outputs per panel (NR in decode_kernels.c).
-PANEL_WIDTH = 8
-_ALIGN_FLOATS = 8  # 32 bytes: the kernel's aligned loads
+_ALIGN_FLOATS = 16  # 64 bytes: the AVX2 kernels' aligned loads, a cache line per AVX-512 panel row
+
+
+def _cpu_capability() -> str:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return ""
+
+
+#: Outputs per panel: 16 for the AVX-512 kernels (NR16 in decode_kernels.c) where PyTorch runs
+#: AVX-512 code (it checks the OS saves the registers too), else 8 for the AVX2 ones (NR).
+PANEL_WIDTHS = (8, 16) if _cpu_capability() == "AVX512" else (8,)
+PANEL_WIDTH = PANEL_WIDTHS[-1]
 
 
 def cache_dir() -> Path:
@@ -59,10 +77,7 @@ def _cpu_supports_kernel() -> bool:
     """x86-64 with AVX2 and FMA (PyTorch reports AVX2 only when both are there)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    try:
-        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    except (AttributeError, RuntimeError):
-        return False
+    return _cpu_capability() in ("AVX2", "AVX512")
 
 
 def build(directory: Optional[Path] = None) -> Optional[Path]:
@@ -115,10 +130,10 @@ def library() -> Optional[ctypes.CDLL]:
         log.warning("decode_kernels: cannot load %s (%s); decode projections use torch.bmm", path, error)
         return None
     i64, pointer = ctypes.c_int64, ctypes.c_void_p
-    lib.comlrl_pack_panels.argtypes = [pointer, i64, i64, i64, pointer]
+    lib.comlrl_pack_panels.argtypes = [pointer, i64, i64, i64, pointer, i64]
     lib.comlrl_pack_panels.restype = None
     lib.comlrl_panel_gemm.argtypes = [i64, i64, i64, i64, pointer, i64, i64, pointer, i64, pointer, i64,
-                                      pointer, i64, i64]
+                                      pointer, i64, i64, i64]
     lib.comlrl_panel_gemm.restype = None
     lib.comlrl_decode_attention.argtypes = [i64, i64, i64, i64, i64, pointer, i64, pointer, pointer, i64, pointer,
                                             pointer, i64, i64, pointer, i64, ctypes.c_float, pointer, pointer]
@@ -160,7 +175,7 @@ def attention(query_key: torch.Tensor, heads: int, group_size: int, prefix_keys:
 
 
 def _aligned_empty(floats: int) -> torch.Tensor:
-    """A float32 buffer of `floats` elements whose first element is 32-byte aligned."""
+    """A float32 buffer of `floats` elements whose first element is 64-byte aligned."""
     raw = torch.empty(floats + _ALIGN_FLOATS, dtype=torch.float32)
     offset = (-raw.data_ptr() // 4) % _ALIGN_FLOATS
     return raw[offset: offset + floats]
@@ -169,24 +184,29 @@ def _aligned_empty(floats: int) -> torch.Tensor:
 class PanelWeights:
     """Several agents' weights of one projection (each (out, in), fp32, on the CPU), packed once for
     the kernel: `(A, rows, in) -> (A, rows, out)`, agent a's rows through agent a's weight, plus its
-    bias."""
+    bias. `width`: the panel width, which picks the kernels (`PANEL_WIDTHS`; default the widest this
+    CPU runs). Both widths give the same results, bit for bit."""
 
-    def __init__(self, weights: List[torch.Tensor], biases: Optional[List[torch.Tensor]] = None):
+    def __init__(self, weights: List[torch.Tensor], biases: Optional[List[torch.Tensor]] = None,
+                 width: Optional[int] = None):
         lib = library()
         assert lib is not None, "PanelWeights needs the kernel: check decode_kernels.runs() first"
+        self.width = width or PANEL_WIDTH
+        if self.width not in PANEL_WIDTHS:
+            raise ValueError(f"panel width {self.width}: this CPU runs {PANEL_WIDTHS}")
         self._lib = lib
         self.count = len(weights)
         self.out_features, self.in_features = weights[0].shape
-        panels = -(-self.out_features // PANEL_WIDTH)
-        self._agent_floats = panels * self.in_features * PANEL_WIDTH
+        panels = -(-self.out_features // self.width)
+        self._agent_floats = panels * self.in_features * self.width
         self.packed = _aligned_empty(self.count * self._agent_floats)
         for a, weight in enumerate(weights):
             weight = weight.contiguous()
             lib.comlrl_pack_panels(weight.data_ptr(), self.out_features, self.in_features, weight.stride(0),
-                                   self.packed.data_ptr() + 4 * a * self._agent_floats)
+                                   self.packed.data_ptr() + 4 * a * self._agent_floats, self.width)
         self.bias = None
         if biases is not None:
-            self.bias = torch.zeros(self.count, panels * PANEL_WIDTH, dtype=torch.float32)
+            self.bias = torch.zeros(self.count, panels * self.width, dtype=torch.float32)
             self.bias[:, : self.out_features] = torch.stack([b.reshape(-1) for b in biases])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -202,7 +222,7 @@ class PanelWeights:
             x.data_ptr(), x.stride(0), x.stride(1),
             self.packed.data_ptr(), self._agent_floats,
             None if bias is None else bias.data_ptr(), 0 if bias is None else bias.stride(0),
-            out.data_ptr(), out.stride(0), out.stride(1))
+            out.data_ptr(), out.stride(0), out.stride(1), self.width)
         return out
 
 
