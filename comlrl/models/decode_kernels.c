@@ -67,11 +67,11 @@ static void NAME(int64_t k, const float *x, int64_t ldx, const float *panel, con
     STORE \
 }
 
-KERNEL(rows8, ROW_INIT(0) ROW_INIT(1) ROW_INIT(2) ROW_INIT(3) ROW_INIT(4) ROW_INIT(5) ROW_INIT(6) ROW_INIT(7),
-       ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5) ROW_FMA(6) ROW_FMA(7),
-       ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5) ROW_STORE(6) ROW_STORE(7))
-KERNEL(rows4, ROW_INIT(0) ROW_INIT(1) ROW_INIT(2) ROW_INIT(3), ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3),
-       ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3))
+#define R16(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15)
+#define R8(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
+#define R4(M) M(0) M(1) M(2) M(3)
+KERNEL(rows8, R8(ROW_INIT), R8(ROW_FMA), R8(ROW_STORE))
+KERNEL(rows4, R4(ROW_INIT), R4(ROW_FMA), R4(ROW_STORE))
 KERNEL(rows3, ROW_INIT(0) ROW_INIT(1) ROW_INIT(2), ROW_FMA(0) ROW_FMA(1) ROW_FMA(2),
        ROW_STORE(0) ROW_STORE(1) ROW_STORE(2))
 KERNEL(rows2, ROW_INIT(0) ROW_INIT(1), ROW_FMA(0) ROW_FMA(1), ROW_STORE(0) ROW_STORE(1))
@@ -102,9 +102,6 @@ static AVX512 void NAME(int64_t k, const float *x, int64_t ldx, const float *pan
     } \
     STORE \
 }
-#define R16(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15)
-#define R8(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
-#define R4(M) M(0) M(1) M(2) M(3)
 KERNEL16(rows16x16, R16(ROW16_INIT), R16(ROW16_FMA), R16(ROW16_STORE))
 KERNEL16(rows8x16, R8(ROW16_INIT), R8(ROW16_FMA), R8(ROW16_STORE))
 KERNEL16(rows4x16, R4(ROW16_INIT), R4(ROW16_FMA), R4(ROW16_STORE))
@@ -113,67 +110,51 @@ KERNEL16(rows3x16, ROW16_INIT(0) ROW16_INIT(1) ROW16_INIT(2), ROW16_FMA(0) ROW16
 KERNEL16(rows2x16, ROW16_INIT(0) ROW16_INIT(1), ROW16_FMA(0) ROW16_FMA(1), ROW16_STORE(0) ROW16_STORE(1))
 KERNEL16(rows1x16, ROW16_INIT(0), ROW16_FMA(0), ROW16_STORE(0))
 
-static AVX512 void panel_gemm16(int64_t batch, int64_t m, int64_t n, int64_t k,
-                                const float *x, int64_t x_batch_stride, int64_t ldx,
-                                const float *packed, int64_t packed_batch_stride,
-                                const float *bias, int64_t bias_batch_stride,
-                                float *c, int64_t c_batch_stride, int64_t ldc) {
-    int64_t panels = (n + NR16 - 1) / NR16;
-    for (int64_t a = 0; a < batch; a++) {
-        const float *xa = x + a * x_batch_stride, *wa = packed + a * packed_batch_stride;
-        const float *ba = bias ? bias + a * bias_batch_stride : 0;
-        float *ca = c + a * c_batch_stride;
-        for (int64_t p = 0; p < panels; p++) {
-            int64_t c0 = p * NR16;
-            int cols = n - c0 < NR16 ? (int)(n - c0) : NR16;
-            const float *panel = wa + p * k * NR16, *b = ba ? ba + c0 : 0;
-            int64_t r = 0;
-            for (; r + 16 <= m; r += 16) rows16x16(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols);
-            if (r + 8 <= m) { rows8x16(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); r += 8; }
-            if (r + 4 <= m) { rows4x16(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); r += 4; }
-            switch (m - r) {
-                case 3: rows3x16(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); break;
-                case 2: rows2x16(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); break;
-                case 1: rows1x16(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); break;
-                default: break;
-            }
-        }
-    }
+/* One family's driver: for each of `batch` (x, packed weight, bias, c), every panel against blocks
+ * of BLOCK rows (the family's widest kernel), then 8, 4 and the last 1-3 rows. */
+#define PANEL_DRIVER(NAME, ATTR, WIDTH, BLOCK, BLOCK_KERNEL, K8, K4, K3, K2, K1) \
+static ATTR void NAME(int64_t batch, int64_t m, int64_t n, int64_t k, \
+                      const float *x, int64_t x_batch_stride, int64_t ldx, \
+                      const float *packed, int64_t packed_batch_stride, \
+                      const float *bias, int64_t bias_batch_stride, \
+                      float *c, int64_t c_batch_stride, int64_t ldc) { \
+    int64_t panels = (n + WIDTH - 1) / WIDTH; \
+    for (int64_t a = 0; a < batch; a++) { \
+        const float *xa = x + a * x_batch_stride, *wa = packed + a * packed_batch_stride; \
+        const float *ba = bias ? bias + a * bias_batch_stride : 0; \
+        float *ca = c + a * c_batch_stride; \
+        for (int64_t p = 0; p < panels; p++) { \
+            int64_t c0 = p * WIDTH; \
+            int cols = n - c0 < WIDTH ? (int)(n - c0) : WIDTH; \
+            const float *panel = wa + p * k * WIDTH, *b = ba ? ba + c0 : 0; \
+            int64_t r = 0; \
+            for (; r + BLOCK <= m; r += BLOCK) BLOCK_KERNEL(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); \
+            for (; r + 8 <= m; r += 8) K8(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); \
+            for (; r + 4 <= m; r += 4) K4(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); \
+            switch (m - r) { \
+                case 3: K3(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); break; \
+                case 2: K2(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); break; \
+                case 1: K1(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); break; \
+                default: break; \
+            } \
+        } \
+    } \
 }
 
-/* For each of `batch` (x, packed weight, bias, c): c (m x n, row stride ldc) = x (m x k, row stride
- * ldx) times the weight packed `width` wide (NR16: the AVX-512 kernels, which the caller has checked
- * the CPU runs), plus bias (padded to whole panels; NULL for none). */
+#define NO_ATTR
+PANEL_DRIVER(panel_gemm8, NO_ATTR, NR, 8, rows8, rows8, rows4, rows3, rows2, rows1)
+PANEL_DRIVER(panel_gemm16, AVX512, NR16, 16, rows16x16, rows8x16, rows4x16, rows3x16, rows2x16, rows1x16)
+
+/* c (m x n, row stride ldc) = x (m x k, row stride ldx) times the weight packed `width` wide, plus
+ * bias (padded to whole panels; NULL for none), for each of `batch` (x, packed weight, bias, c).
+ * Width NR16 runs the AVX-512 kernels, which the caller has checked the CPU runs; NR the AVX2 ones. */
 void comlrl_panel_gemm(int64_t batch, int64_t m, int64_t n, int64_t k,
                        const float *x, int64_t x_batch_stride, int64_t ldx,
                        const float *packed, int64_t packed_batch_stride,
                        const float *bias, int64_t bias_batch_stride,
                        float *c, int64_t c_batch_stride, int64_t ldc, int64_t width) {
-    if (width == NR16) {
-        panel_gemm16(batch, m, n, k, x, x_batch_stride, ldx, packed, packed_batch_stride, bias, bias_batch_stride,
-                     c, c_batch_stride, ldc);
-        return;
-    }
-    int64_t panels = (n + NR - 1) / NR;
-    for (int64_t a = 0; a < batch; a++) {
-        const float *xa = x + a * x_batch_stride, *wa = packed + a * packed_batch_stride;
-        const float *ba = bias ? bias + a * bias_batch_stride : 0;
-        float *ca = c + a * c_batch_stride;
-        for (int64_t p = 0; p < panels; p++) {
-            int64_t c0 = p * NR;
-            int cols = n - c0 < NR ? (int)(n - c0) : NR;
-            const float *panel = wa + p * k * NR, *b = ba ? ba + c0 : 0;
-            int64_t r = 0;
-            for (; r + 8 <= m; r += 8) rows8(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols);
-            for (; r + 4 <= m; r += 4) rows4(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols);
-            switch (m - r) {
-                case 3: rows3(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); break;
-                case 2: rows2(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); break;
-                case 1: rows1(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); break;
-                default: break;
-            }
-        }
-    }
+    (width == NR16 ? panel_gemm16 : panel_gemm8)(batch, m, n, k, x, x_batch_stride, ldx, packed, packed_batch_stride,
+                                                 bias, bias_batch_stride, c, c_batch_stride, ldc);
 }
 
 /* ------------------------------------------------------------------------------------------------
