@@ -78,8 +78,11 @@ bench: install ## speed against CoMLRL 1.4.3; updates the README's Performance s
 bench-shape: install ## tokens/s of sampling and update at a real model's shape (random init; ARGS="--shape qwen2.5-1.5b")
 	$(PY) benchmarks/throughput.py $(ARGS)
 
-test: install ## the test suite (CPU, offline)
+test: install ## the test suite (CPU, offline; then the GPU tests where a CUDA device is present)
 	$(TEST_ENV) $(PY) -m pytest -q $(ARGS)
+	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		echo "A CUDA device is present: running the GPU tests (pytest -m gpu)"; \
+		$(TEST_ENV) $(PY) -m pytest -q -m gpu tests/test_gpu.py; fi
 
 clean: ## remove run outputs and caches (keeps .venv and the model cache)
 	rm -rf outputs/* multirun .pytest_cache

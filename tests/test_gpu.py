@@ -1,6 +1,7 @@
 """The trainer on a CUDA device: learning in fp32 and bf16, exact resume, agents split across a GPU
-and the CPU, and sampling by CUDA graph replay. Skipped without a GPU (CI has none); run them where one is present with
-`pytest -m gpu`.
+and the CPU, and sampling by CUDA graph replay. They run under `pytest -m gpu` (`make test` runs
+that where a GPU is present; the rest of the suite hides GPUs, see conftest) and are skipped
+without one (CI has none).
 
 CUDA kernels that accumulate with atomics (embedding backward, index_add) sum in a different order
 on every call, so bit-exact resume on a GPU needs `torch.use_deterministic_algorithms(True)`: the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -326,6 +327,13 @@ def test_concurrent_rollout_gives_the_same_run(make_trainer, tmp_path):
         for name, value in sequential.items():
             assert torch.equal(value, threaded[name]), name
     assert rows(tmp_path / "False.jsonl") == rows(tmp_path / "True.jsonl")
+
+
+def test_the_cpu_suite_runs_with_gpus_hidden():
+    """conftest hides GPUs outside `pytest -m gpu`, so on a GPU machine these tests (and their
+    subprocesses) check the CPU's guarantees, with the trainer on the CPU as in CI."""
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == ""
+    assert not torch.cuda.is_available()
 
 
 def test_gradient_buffers_are_kept_but_unused_parameters_are_not_stepped():
