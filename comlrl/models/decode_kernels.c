@@ -53,29 +53,38 @@ void comlrl_pack_panels(const float *w, int64_t n, int64_t k, int64_t ldw, float
         memcpy(dst, tmp, (size_t)cols * sizeof(float)); \
     } }
 
-/* Rows x[0 .. R-1] times one panel: c[r][0 .. cols-1] = sum_i x[r][i] * panel[i][.] (+ bias). */
-#define KERNEL(NAME, INIT, FMA, STORE) \
-static void NAME(int64_t k, const float *x, int64_t ldx, const float *panel, const float *bias, \
-                 float *c, int64_t ldc, int cols) { \
+/* Rows x[0 .. R-1] times one panel of WIDTH outputs: c[r][0 .. cols-1] = sum_i x[r][i] * panel[i][.]
+ * (+ bias), the panel read front to back with a prefetch AHEAD panel rows ahead; SETUP, INIT, FMA
+ * and STORE are the family's (b: the panel row in a register). */
+#define PANEL_KERNEL(NAME, ATTR, VEC, LOAD, WIDTH, AHEAD, SETUP, INIT, FMA, STORE) \
+static ATTR void NAME(int64_t k, const float *x, int64_t ldx, const float *panel, const float *bias, \
+                      float *c, int64_t ldc, int cols) { \
+    SETUP \
     INIT \
     for (int64_t i = 0; i < k; i++) { \
-        const float *row = panel + i * NR; \
-        _mm_prefetch((const char *)(row + PREFETCH_ROWS * NR), _MM_HINT_T0); \
-        __m256 b = _mm256_load_ps(row); \
+        const float *row = panel + i * WIDTH; \
+        _mm_prefetch((const char *)(row + AHEAD * WIDTH), _MM_HINT_T0); \
+        VEC b = LOAD(row); \
         FMA \
     } \
     STORE \
 }
+#define NO_ATTR
+#define KERNEL(NAME, INIT, FMA, STORE) \
+    PANEL_KERNEL(NAME, NO_ATTR, __m256, _mm256_load_ps, NR, PREFETCH_ROWS, , INIT, FMA, STORE)
 
+/* Row lists: R8(M) is M(0) ... M(7). A family's kernels for 8, 4, 3, 2 and 1 rows. */
 #define R16(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15)
 #define R8(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
 #define R4(M) M(0) M(1) M(2) M(3)
-KERNEL(rows8, R8(ROW_INIT), R8(ROW_FMA), R8(ROW_STORE))
-KERNEL(rows4, R4(ROW_INIT), R4(ROW_FMA), R4(ROW_STORE))
-KERNEL(rows3, ROW_INIT(0) ROW_INIT(1) ROW_INIT(2), ROW_FMA(0) ROW_FMA(1) ROW_FMA(2),
-       ROW_STORE(0) ROW_STORE(1) ROW_STORE(2))
-KERNEL(rows2, ROW_INIT(0) ROW_INIT(1), ROW_FMA(0) ROW_FMA(1), ROW_STORE(0) ROW_STORE(1))
-KERNEL(rows1, ROW_INIT(0), ROW_FMA(0), ROW_STORE(0))
+#define R3(M) M(0) M(1) M(2)
+#define R2(M) M(0) M(1)
+#define R1(M) M(0)
+#define ROW_KERNELS(FAMILY, INIT, FMA, STORE, N8, N4, N3, N2, N1) \
+    FAMILY(N8, R8(INIT), R8(FMA), R8(STORE)) FAMILY(N4, R4(INIT), R4(FMA), R4(STORE)) \
+    FAMILY(N3, R3(INIT), R3(FMA), R3(STORE)) FAMILY(N2, R2(INIT), R2(FMA), R2(STORE)) \
+    FAMILY(N1, R1(INIT), R1(FMA), R1(STORE))
+ROW_KERNELS(KERNEL, ROW_INIT, ROW_FMA, ROW_STORE, rows8, rows4, rows3, rows2, rows1)
 
 /* The same on AVX-512 CPUs: 16-wide panels (one cache line per input), up to 16 rows per pass
  * (16 of the 32 registers hold sums), so at the decode step's 16 rows per agent each panel is read
@@ -90,25 +99,10 @@ KERNEL(rows1, ROW_INIT(0), ROW_FMA(0), ROW_STORE(0))
     if (bias) c##r = _mm512_add_ps(c##r, _mm512_loadu_ps(bias)); \
     _mm512_mask_storeu_ps(c + (r) * ldc, mask, c##r); }
 #define KERNEL16(NAME, INIT, FMA, STORE) \
-static AVX512 void NAME(int64_t k, const float *x, int64_t ldx, const float *panel, const float *bias, \
-                        float *c, int64_t ldc, int cols) { \
-    const __mmask16 mask = (__mmask16)((1u << cols) - 1u); \
-    INIT \
-    for (int64_t i = 0; i < k; i++) { \
-        const float *row = panel + i * NR16; \
-        _mm_prefetch((const char *)(row + PREFETCH_ROWS16 * NR16), _MM_HINT_T0); \
-        __m512 b = _mm512_loadu_ps(row); \
-        FMA \
-    } \
-    STORE \
-}
+    PANEL_KERNEL(NAME, AVX512, __m512, _mm512_loadu_ps, NR16, PREFETCH_ROWS16, \
+                 const __mmask16 mask = (__mmask16)((1u << cols) - 1u);, INIT, FMA, STORE)
 KERNEL16(rows16x16, R16(ROW16_INIT), R16(ROW16_FMA), R16(ROW16_STORE))
-KERNEL16(rows8x16, R8(ROW16_INIT), R8(ROW16_FMA), R8(ROW16_STORE))
-KERNEL16(rows4x16, R4(ROW16_INIT), R4(ROW16_FMA), R4(ROW16_STORE))
-KERNEL16(rows3x16, ROW16_INIT(0) ROW16_INIT(1) ROW16_INIT(2), ROW16_FMA(0) ROW16_FMA(1) ROW16_FMA(2),
-         ROW16_STORE(0) ROW16_STORE(1) ROW16_STORE(2))
-KERNEL16(rows2x16, ROW16_INIT(0) ROW16_INIT(1), ROW16_FMA(0) ROW16_FMA(1), ROW16_STORE(0) ROW16_STORE(1))
-KERNEL16(rows1x16, ROW16_INIT(0), ROW16_FMA(0), ROW16_STORE(0))
+ROW_KERNELS(KERNEL16, ROW16_INIT, ROW16_FMA, ROW16_STORE, rows8x16, rows4x16, rows3x16, rows2x16, rows1x16)
 
 /* One family's driver: for each of `batch` (x, packed weight, bias, c), every panel against blocks
  * of BLOCK rows (the family's widest kernel), then 8, 4 and the last 1-3 rows. */
@@ -141,7 +135,6 @@ static ATTR void NAME(int64_t batch, int64_t m, int64_t n, int64_t k, \
     } \
 }
 
-#define NO_ATTR
 PANEL_DRIVER(panel_gemm8, NO_ATTR, NR, 8, rows8, rows8, rows4, rows3, rows2, rows1)
 PANEL_DRIVER(panel_gemm16, AVX512, NR16, 16, rows16x16, rows8x16, rows4x16, rows3x16, rows2x16, rows1x16)
 
