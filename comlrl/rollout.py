@@ -330,10 +330,10 @@ def _graphed_decode(decoder: StackedLeanDecoder, cache, logits: torch.Tensor, un
     """`_decode`'s loop with every step of one fixed shape (`StackedLeanDecoder.step` with the step
     index as a device tensor), so that, with `capture`, one step (draw, cache write, forward) is
     captured as a CUDA graph and replayed; the step counter, tokens and logits live in tensors the
-    graph updates in place. Whether every row has finished is read back every
-    `check_every` steps rather than every step; the steps drawn past that point write only padding,
-    and the columns are cut to what the step-by-step loop returns. Without `capture` the same steps
-    run eagerly (how the tests compare this path with `_decode`'s on the CPU)."""
+    graph updates in place. Whether every row has finished is read back every `check_every` steps
+    (each read waits for the GPU); steps drawn after that point write only padding, and the columns
+    are cut to what the step-by-step loop returns. Without `capture` the same steps run eagerly
+    (how the tests compare this path with `_decode`'s on the CPU)."""
     device = logits.device
     rows, max_new = logits.shape[0], uniforms.shape[0]
     width = bias.shape[-1] - max_new
@@ -358,7 +358,7 @@ def _graphed_decode(decoder: StackedLeanDecoder, cache, logits: torch.Tensor, un
         logits.copy_(decoder.step(tokens, rotations.index_select(0, step).squeeze(0), cache, step, step_bias))
         step.add_(1)
 
-    check_every = 8
+    check_every = 8  # at most 7 steps of padding past the last EOS, against a GPU wait per step
     done = 0
     if capture:
         # The first step runs eagerly on a side stream (lazy initialisation must not be captured),
