@@ -489,13 +489,16 @@ class _AgentProjections:
     """One projection (QKV, output, gate/up, down or LM head) of every agent of a
     StackedLeanDecoder: (A, rows, in) -> (A, rows, out), agent a's rows through agent a's weight.
 
-    Where oneDNN packs the weights (CPUs with AVX-512; see `onednn`), a decode step makes one call
-    per agent: at decode sizes (8-32 rows) that beats one batched matmul over stacked weights, which
-    reorders the weights (bf16) or runs MKL's AVX2 code (fp32) on every step (medium tiny model,
-    2 agents x 16 rows, one step's projections on an AVX-512 EPYC: bf16 1.40 -> 0.92 ms, fp32
-    3.39 -> 1.90 ms). Otherwise the weights are stacked on a leading agent dimension for one
-    batched matmul per step: on an AVX2-only CPU that beats one MKL call per agent (2 x 16 rows,
-    256 -> 768: 240 against 274 us). Off the CPU one agent's weight is used as a view."""
+    fp32 weights on the CPU with one torch thread go to the C panel kernel (`decode_kernels`),
+    packed once per sampling call, one call for all agents. Where oneDNN packs the weights instead
+    (bf16 on CPUs with native bf16, fp32 on AMD CPUs with AVX-512 when the kernel does not run; see
+    `onednn`), a decode step makes one call per agent: at decode sizes (8-32 rows) that beats one
+    batched matmul over stacked weights, which reorders the weights (bf16) or runs MKL's AVX2 code
+    (fp32) on every step (medium tiny model, 2 agents x 16 rows, one step's projections on an
+    AVX-512 EPYC: bf16 1.40 -> 0.92 ms, fp32 3.39 -> 1.90 ms). Otherwise the weights are stacked on
+    a leading agent dimension for one batched matmul per step: on an AVX2-only CPU that beats one
+    MKL call per agent (2 x 16 rows, 256 -> 768: 240 against 274 us). Off the CPU one agent's
+    weight is used as a view."""
 
     def __init__(self, projections: List[onednn.PackedLinear]):
         self.packed = all(p.packed for p in projections)
