@@ -46,6 +46,7 @@ from typing import List, Optional
 
 import torch
 
+from .onednn import cpu_capability
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +55,9 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 _ALIGN_FLOATS = 16  # 64 bytes: the AVX2 kernels' aligned loads, a cache line per AVX-512 panel row
 
 
-def _cpu_capability() -> str:
-    try:
-        return torch.backends.cpu.get_cpu_capability()
-    except (AttributeError, RuntimeError):
-        return ""
-
-
 #: Outputs per panel: 16 for the AVX-512 kernels (NR16 in decode_kernels.c) where PyTorch runs
 #: AVX-512 code (it checks the OS saves the registers too), else 8 for the AVX2 ones (NR).
-PANEL_WIDTHS = (8, 16) if _cpu_capability() == "AVX512" else (8,)
+PANEL_WIDTHS = (8, 16) if cpu_capability() == "AVX512" else (8,)
 PANEL_WIDTH = PANEL_WIDTHS[-1]
 
 
@@ -77,7 +71,7 @@ def _cpu_supports_kernel() -> bool:
     """x86-64 with AVX2 and FMA (PyTorch reports AVX2 only when both are there)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    return _cpu_capability() in ("AVX2", "AVX512")
+    return cpu_capability() in ("AVX2", "AVX512")
 
 
 def build(directory: Optional[Path] = None) -> Optional[Path]:

@@ -53,11 +53,16 @@ def _available() -> bool:
 AVAILABLE = _available()
 
 
-def _avx512() -> bool:
+def cpu_capability() -> str:
+    """The vector code PyTorch runs on this CPU ("AVX2", "AVX512", ...; "" where it cannot say)."""
     try:
-        return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        return torch.backends.cpu.get_cpu_capability()
     except (AttributeError, RuntimeError):
-        return False
+        return ""
+
+
+def _avx512() -> bool:
+    return cpu_capability().startswith("AVX512")
 
 
 def _intel() -> bool:
