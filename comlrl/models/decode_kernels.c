@@ -175,21 +175,61 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(zero_mask, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-/* scores[j] (j < count) = bias[j] + scale * sum_d q[d] * keys[d * key_stride + j]: keys stored
- * transposed (head_dim rows of `count` columns, row stride key_stride). */
-static void transposed_scores(const float *q, const float *keys, int64_t key_stride, int64_t count, int64_t dim,
-                              const float *bias, float scale, float *scores) {
-    int64_t j = 0;
-    for (; j + 8 <= count; j += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t d = 0; d < dim; d++)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(q[d]), _mm256_loadu_ps(keys + d * key_stride + j), acc);
-        _mm256_storeu_ps(scores + j, _mm256_fmadd_ps(acc, _mm256_set1_ps(scale), _mm256_loadu_ps(bias + j)));
+/* Lanes 0 .. left - 1 of 8 (1 <= left <= 8). */
+static inline __m256i first_lanes(int64_t left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* Scores of NH query heads against BLOCKS blocks of 8 key columns from column j, the last block
+ * holding `left` columns (masked loads and stores past them). A column's sum runs over d in order
+ * whatever the blocking: acc = fma(q[d], key[d], acc) from 0, then fma(acc, scale, bias). */
+static inline __attribute__((always_inline)) void score_blocks(int nh, int blocks, int64_t left, const float *const *q,
+                                                               const float *keys, int64_t key_stride, int64_t dim,
+                                                               const float *bias, __m256 scale, float *const *scores,
+                                                               int64_t j) {
+    const __m256i mask = first_lanes(left);
+    __m256 acc[2][4], column[4];
+    for (int h = 0; h < nh; h++)
+        for (int b = 0; b < blocks; b++) acc[h][b] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d++) {
+        const float *k = keys + d * key_stride + j;
+        for (int b = 0; b < blocks; b++)
+            column[b] = b == blocks - 1 && left < 8 ? _mm256_maskload_ps(k + 8 * b, mask) : _mm256_loadu_ps(k + 8 * b);
+        for (int h = 0; h < nh; h++) {
+            const __m256 qd = _mm256_set1_ps(q[h][d]);
+            for (int b = 0; b < blocks; b++) acc[h][b] = _mm256_fmadd_ps(qd, column[b], acc[h][b]);
+        }
     }
-    for (; j < count; j++) {
-        float acc = 0.0f;
-        for (int64_t d = 0; d < dim; d++) acc = fmaf(q[d], keys[d * key_stride + j], acc);
-        scores[j] = fmaf(acc, scale, bias[j]);
+    for (int b = 0; b < blocks; b++) {
+        const int tail = b == blocks - 1 && left < 8;
+        const __m256 add = tail ? _mm256_maskload_ps(bias + j + 8 * b, mask) : _mm256_loadu_ps(bias + j + 8 * b);
+        for (int h = 0; h < nh; h++) {
+            const __m256 score = _mm256_fmadd_ps(acc[h][b], scale, add);
+            if (tail) _mm256_maskstore_ps(scores[h] + j + 8 * b, mask, score);
+            else _mm256_storeu_ps(scores[h] + j + 8 * b, score);
+        }
+    }
+}
+
+/* scores[h][j] (j < count) = bias[j] + scale * sum_d q[h][d] * keys[d * key_stride + j] for NH
+ * (1 or 2) query heads of one KV head: keys stored transposed (head_dim rows of `count` columns,
+ * row stride key_stride), each read once for both heads. Up to 4 blocks of 8 columns at a time: a
+ * block's sum is a chain of dependent multiply-adds, and one chain waits on the FMA latency at every
+ * input (one head, one block at a time, as first written: a 2-agent x 16-row step's attention
+ * 113 -> 69 us with 4 blocks, then -> ~40 us with heads paired and masked tails, bit for bit). */
+static inline __attribute__((always_inline)) void head_scores(int nh, const float *const *q, const float *keys,
+                                                              int64_t key_stride, int64_t count, int64_t dim,
+                                                              const float *bias, float scale, float *const *scores) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    int64_t j = 0;
+    for (; j + 32 <= count; j += 32) score_blocks(nh, 4, 8, q, keys, key_stride, dim, bias, vscale, scores, j);
+    int64_t rest = count - j;
+    switch ((rest + 7) / 8) {
+        case 4: score_blocks(nh, 4, rest - 24, q, keys, key_stride, dim, bias, vscale, scores, j); break;
+        case 3: score_blocks(nh, 3, rest - 16, q, keys, key_stride, dim, bias, vscale, scores, j); break;
+        case 2: score_blocks(nh, 2, rest - 8, q, keys, key_stride, dim, bias, vscale, scores, j); break;
+        case 1: score_blocks(nh, 1, rest, q, keys, key_stride, dim, bias, vscale, scores, j); break;
+        default: break;
     }
 }
 
@@ -224,16 +264,60 @@ static void softmax(float *scores, int64_t count) {
     for (j = 0; j < count; j++) scores[j] *= inverse;
 }
 
-/* out[d] += sum_j probs[j] * values[j * dim + d] (values: count rows of dim). */
-static void weighted_values(const float *probs, const float *values, int64_t count, int64_t dim, float *out) {
-    for (int64_t j = 0; j < count; j++) {
-        __m256 p = _mm256_set1_ps(probs[j]);
-        const float *row = values + j * dim;
-        int64_t d = 0;
-        for (; d + 8 <= dim; d += 8)
-            _mm256_storeu_ps(out + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(row + d), _mm256_loadu_ps(out + d)));
-        for (; d < dim; d++) out[d] = fmaf(probs[j], row[d], out[d]);
+/* out[h][d] += sum_j probs[h][j] * values[j * dim + d] for NH (1 or 2) heads of one KV head
+ * (values: count rows of dim, each read once for both heads), each out[h][d] summed over j in
+ * order. 32 outputs per head stay in registers across j (storing and reloading them at every j
+ * chained each multiply-add behind the last one's store). */
+static inline __attribute__((always_inline)) void head_values(int nh, const float *const *probs, const float *values,
+                                                              int64_t count, int64_t dim, float *const *out) {
+    int64_t d = 0;
+    for (; d + 32 <= dim; d += 32) {
+        __m256 o[2][4];
+        for (int h = 0; h < nh; h++)
+            for (int b = 0; b < 4; b++) o[h][b] = _mm256_loadu_ps(out[h] + d + 8 * b);
+        for (int64_t j = 0; j < count; j++) {
+            const float *row = values + j * dim + d;
+            __m256 v[4];
+            for (int b = 0; b < 4; b++) v[b] = _mm256_loadu_ps(row + 8 * b);
+            for (int h = 0; h < nh; h++) {
+                const __m256 p = _mm256_set1_ps(probs[h][j]);
+                for (int b = 0; b < 4; b++) o[h][b] = _mm256_fmadd_ps(p, v[b], o[h][b]);
+            }
+        }
+        for (int h = 0; h < nh; h++)
+            for (int b = 0; b < 4; b++) _mm256_storeu_ps(out[h] + d + 8 * b, o[h][b]);
     }
+    for (; d + 8 <= dim; d += 8)
+        for (int h = 0; h < nh; h++) {
+            __m256 o = _mm256_loadu_ps(out[h] + d);
+            for (int64_t j = 0; j < count; j++)
+                o = _mm256_fmadd_ps(_mm256_set1_ps(probs[h][j]), _mm256_loadu_ps(values + j * dim + d), o);
+            _mm256_storeu_ps(out[h] + d, o);
+        }
+    for (; d < dim; d++)
+        for (int h = 0; h < nh; h++)
+            for (int64_t j = 0; j < count; j++) out[h][d] = fmaf(probs[h][j], values[j * dim + d], out[h][d]);
+}
+
+/* Query heads h0 .. h0 + nh - 1 (nh = 1 or 2, one KV head) of one row: the rest of
+ * comlrl_decode_attention's loop body. scratch: nh * (width + steps) floats. */
+static inline __attribute__((always_inline)) void attend_heads(int nh, const float *q, int64_t dim,
+                                                               const float *pk, const float *pv, int64_t width,
+                                                               const float *ok, const float *ov, int64_t max_new,
+                                                               int64_t steps, const float *bias, float scale,
+                                                               float *out, float *scratch) {
+    const int64_t count = width + steps;
+    const float *queries[2] = {q, q + dim};
+    float *scores[2] = {scratch, scratch + count}, *own[2] = {scratch + width, scratch + count + width};
+    float *outs[2] = {out, out + dim};
+    head_scores(nh, queries, pk, width, width, dim, bias, scale, scores);
+    head_scores(nh, queries, ok, max_new, steps, dim, bias + width, scale, own);
+    for (int h = 0; h < nh; h++) {
+        softmax(scores[h], count);
+        for (int64_t d = 0; d < dim; d++) outs[h][d] = 0.0f;
+    }
+    head_values(nh, (const float *const *)scores, pv, width, dim, outs);
+    head_values(nh, (const float *const *)own, ov, steps, dim, outs);
 }
 
 /* For each row r (prompt r / group_size) and query head h (KV head h / group):
@@ -241,30 +325,28 @@ static void weighted_values(const float *probs, const float *values, int64_t cou
  * q: row r, head h at q + r * q_row_stride + h * dim. prefix_keys (prompts, kv, dim, width),
  * prefix_values (prompts, kv, width, dim), keys (rows, kv, dim, max_new), values (rows, kv, max_new, dim),
  * all contiguous; the first `steps` generated columns are used. bias: row r at bias + r * bias_stride,
- * width + steps values. out: (rows, heads * dim), contiguous. scratch: width + steps floats. */
+ * width + steps values. out: (rows, heads * dim), contiguous. scratch: 2 * (width + steps) floats. */
 void comlrl_decode_attention(int64_t rows, int64_t kv_heads, int64_t group, int64_t dim, int64_t group_size,
                              const float *q, int64_t q_row_stride,
                              const float *prefix_keys, const float *prefix_values, int64_t width,
                              const float *keys, const float *values, int64_t max_new, int64_t steps,
                              const float *bias, int64_t bias_stride, float scale, float *out, float *scratch) {
-    int64_t heads = kv_heads * group, count = width + steps;
+    int64_t heads = kv_heads * group;
     for (int64_t r = 0; r < rows; r++) {
         int64_t prompt = r / group_size;
-        for (int64_t h = 0; h < heads; h++) {
-            int64_t kv = h / group;
-            const float *qh = q + r * q_row_stride + h * dim;
+        for (int64_t kv = 0; kv < kv_heads; kv++) {
             const float *pk = prefix_keys + (prompt * kv_heads + kv) * dim * width;
             const float *pv = prefix_values + (prompt * kv_heads + kv) * width * dim;
             const float *ok = keys + (r * kv_heads + kv) * dim * max_new;
             const float *ov = values + (r * kv_heads + kv) * max_new * dim;
             const float *b = bias + r * bias_stride;
-            transposed_scores(qh, pk, width, width, dim, b, scale, scratch);
-            transposed_scores(qh, ok, max_new, steps, dim, b + width, scale, scratch + width);
-            softmax(scratch, count);
-            float *o = out + (r * heads + h) * dim;
-            for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
-            weighted_values(scratch, pv, width, dim, o);
-            weighted_values(scratch + width, ov, steps, dim, o);
+            int64_t h = kv * group;
+            for (; h + 2 <= (kv + 1) * group; h += 2)  /* the KV head's query heads in pairs */
+                attend_heads(2, q + r * q_row_stride + h * dim, dim, pk, pv, width, ok, ov, max_new, steps, b, scale,
+                             out + (r * heads + h) * dim, scratch);
+            if (h < (kv + 1) * group)
+                attend_heads(1, q + r * q_row_stride + h * dim, dim, pk, pv, width, ok, ov, max_new, steps, b, scale,
+                             out + (r * heads + h) * dim, scratch);
         }
     }
 }

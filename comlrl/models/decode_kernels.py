@@ -160,7 +160,7 @@ def attention(query_key: torch.Tensor, heads: int, group_size: int, prefix_keys:
         if not tensor.is_contiguous() or tensor.dtype != torch.float32:
             raise ValueError("decode_kernels.attention needs contiguous fp32 tensors")
     out = torch.empty(rows, heads * dim, dtype=torch.float32)
-    scratch = torch.empty(width + steps, dtype=torch.float32)
+    scratch = torch.empty(2 * (width + steps), dtype=torch.float32)  # two query heads at a time
     library().comlrl_decode_attention(
         rows, kv_heads, heads // kv_heads, dim, group_size, query_key.data_ptr(), heads_and_kv * dim,
         prefix_keys.data_ptr(), prefix_values.data_ptr(), width, keys.data_ptr(), values.data_ptr(), max_new, steps,
