@@ -1,5 +1,5 @@
 """The CPU decode kernels compute what torch computes: products with few rows (row by row, as
-torch.bmm) and the decode step's attention."""
+torch.bmm), the decode step's attention, and its residual-add + norm and SwiGLU."""
 
 from __future__ import annotations
 
@@ -149,8 +149,39 @@ def test_decode_attention_matches_a_plain_softmax_attention(steps):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dim", [256, 64, 13])
+@pytest.mark.parametrize("with_delta", [True, False], ids=["residual", "norm-only"])
+def test_residual_rms_norm_adds_in_place_and_matches_rms_norm(dim, with_delta):
+    generator = torch.Generator().manual_seed(dim)
+    hidden = torch.randn(2, 5, dim, generator=generator) * 3
+    hidden[0, 1] = 0.0  # an all-zero row stays finite: eps keeps the root mean square above zero
+    delta = torch.randn(2, 5, dim, generator=generator) if with_delta else None
+    expected_hidden = hidden + delta if with_delta else hidden.clone()
+    expected = torch.nn.functional.rms_norm(expected_hidden, (dim,), eps=1e-6)
+    got = decode_kernels.residual_rms_norm(hidden, delta, 1e-6)
+    assert torch.equal(hidden, expected_hidden)  # the same single add, in place
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
+    assert torch.isfinite(got).all()
+    with pytest.raises(ValueError, match="contiguous"):
+        decode_kernels.residual_rms_norm(hidden.transpose(0, 1), None, 1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [512, 64, 11])
+def test_silu_mul_matches_swiglu(n):
+    generator = torch.Generator().manual_seed(n)
+    gate_up = torch.randn(3, 4, 2 * n, generator=generator) * 4
+    gate_up[0, 0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # far tails: silu -> -0 and -> g
+    gate, up = gate_up.split(n, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(decode_kernels.silu_mul(gate_up), expected, rtol=3e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="gate"):
+        decode_kernels.silu_mul(torch.randn(2, 7))
+
+
+@needs_kernel
 def test_decode_kernels_and_torch_ops_decode_the_same_tokens(tiny_medium_model_dir, monkeypatch):
-    """Sampling with the kernels (projections and attention) and with torch ops (their fp32 sums
+    """Sampling with the kernels (projections, attention, norms, SwiGLU) and with torch ops (their fp32 sums
     round differently) gives the same completions; and the kernels are what decodes by default here."""
     monkeypatch.setattr(onednn, "FP32_THROUGH_ONEDNN", True)  # the kernels take precedence over oneDNN's packing
     tok = load_tokenizer(tiny_medium_model_dir)
@@ -164,8 +195,10 @@ def test_decode_kernels_and_torch_ops_decode_the_same_tokens(tiny_medium_model_d
     original_panels, original_attention = decode_kernels.PanelWeights, decode_kernels.attention
     monkeypatch.setattr(decode_kernels, "PanelWeights", lambda *a, **k: built.append(1) or original_panels(*a, **k))
     monkeypatch.setattr(decode_kernels, "attention", lambda *a, **k: attended.append(1) or original_attention(*a, **k))
+    normalized, original_norm = [], decode_kernels.residual_rms_norm
+    monkeypatch.setattr(decode_kernels, "residual_rms_norm", lambda *a: normalized.append(1) or original_norm(*a))
     with_kernels = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [None] * 2)
-    assert built and attended, "the decode steps did not use the kernels"
+    assert built and attended and normalized, "the decode steps did not use the kernels"
     monkeypatch.setattr(decode_kernels, "runs", lambda tensor: False)
     with_torch = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [None] * 2)
     for a, b in zip(with_kernels, with_torch):

@@ -132,6 +132,10 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_decode_attention.argtypes = [i64, i64, i64, i64, i64, pointer, i64, pointer, pointer, i64, pointer,
                                             pointer, i64, i64, pointer, i64, ctypes.c_float, pointer, pointer]
     lib.comlrl_decode_attention.restype = None
+    lib.comlrl_residual_rms_norm.argtypes = [i64, i64, pointer, pointer, ctypes.c_float, pointer]
+    lib.comlrl_residual_rms_norm.restype = None
+    lib.comlrl_silu_mul.argtypes = [i64, i64, pointer, pointer]
+    lib.comlrl_silu_mul.restype = None
     _library = lib
     return lib
 
@@ -165,6 +169,29 @@ def attention(query_key: torch.Tensor, heads: int, group_size: int, prefix_keys:
         rows, kv_heads, heads // kv_heads, dim, group_size, query_key.data_ptr(), heads_and_kv * dim,
         prefix_keys.data_ptr(), prefix_values.data_ptr(), width, keys.data_ptr(), values.data_ptr(), max_new, steps,
         bias.data_ptr(), bias.shape[-1], scale, out.data_ptr(), scratch.data_ptr())
+    return out
+
+
+def residual_rms_norm(hidden: torch.Tensor, delta: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """`hidden += delta` in place (no add when `delta` is None), then returns hidden scaled row by row
+    to unit root mean square: RMSNorm without its scale, `hidden / sqrt(mean(hidden^2) + eps)` over
+    the last dimension. fp32, contiguous, same shape; agrees with `F.rms_norm` to float rounding."""
+    if not hidden.is_contiguous() or (delta is not None and (not delta.is_contiguous() or delta.shape != hidden.shape)):
+        raise ValueError("decode_kernels.residual_rms_norm needs contiguous tensors of one shape")
+    out = torch.empty_like(hidden)
+    library().comlrl_residual_rms_norm(hidden.numel() // hidden.shape[-1], hidden.shape[-1], hidden.data_ptr(),
+                                       None if delta is None else delta.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's `silu(gate) * up` for `gate_up` = [gate | up] on the last dimension (fp32,
+    contiguous); agrees with the torch ops to float rounding."""
+    if not gate_up.is_contiguous() or gate_up.shape[-1] % 2:
+        raise ValueError("decode_kernels.silu_mul needs a contiguous [gate | up] tensor")
+    half = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], half)
+    library().comlrl_silu_mul(gate_up.numel() // gate_up.shape[-1], half, gate_up.data_ptr(), out.data_ptr())
     return out
 
 

@@ -150,6 +150,9 @@ class StackedLeanDecoder:
         self.vocab = first.embed.shape[0]
         # Decode attention in one C call per layer where it runs (fp32 cache on the CPU, one thread).
         self.kernel_attention = decode_kernels.runs(first.embed.new_empty(0, dtype=self.attention_dtype))
+        # The residual adds, norms and SwiGLU too, where the whole hidden state is fp32 on the CPU.
+        self.kernel_elementwise = decode_kernels.runs(first.embed.new_empty(0, dtype=self.compute_dtype)) and \
+            self.dtype == torch.float32
         # One agent's embeddings are used as a view; several agents' are concatenated, once per
         # sampling call (see `fuse_decoding` for when stacking agents pays).
         self.embed = torch.cat([d.embed for d in decoders]) if self.count > 1 else first.embed  # row a*vocab+t
@@ -268,8 +271,9 @@ class StackedLeanDecoder:
         bias = attention_bias[..., : width + columns]
         scale = self.head_dim ** -0.5
         low = self.compute_dtype
+        x = self._add_normalize(hidden, None, self.layers[0].eps)
         for index, layer in enumerate(self.layers):
-            x = _normalize(hidden, layer.eps)
+            next_eps = self.layers[index + 1].eps if index + 1 < len(self.layers) else self.final_eps
             qkv = layer.qkv(_cast(x, low)).view(total, -1)
             query_key = qkv[:, : self.q_size + self.kv_size].view(total, self.num_heads + self.num_kv_heads, self.head_dim)
             query_key = training_ops.rotate_pairs(query_key, rotation)
@@ -288,12 +292,25 @@ class StackedLeanDecoder:
                                                     attention_bias, scale)
             else:
                 attended = self._attention(query_key, cache, index, columns, bias, scale)
-            hidden = hidden + layer.o(_cast(attended.view(self.count, rows, self.q_size), low))
-            x = _normalize(hidden, layer.eps)
-            gate, up = layer.gate_up(_cast(x, low)).split(self.intermediate, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
-        hidden = _normalize(hidden, self.final_eps)
-        return self.lm_head(_cast(hidden, low)).view(total, -1)
+            x = self._add_normalize(hidden, layer.o(_cast(attended.view(self.count, rows, self.q_size), low)), layer.eps)
+            x = self._add_normalize(hidden, layer.down(self._swiglu(layer.gate_up(_cast(x, low)))), next_eps)
+        return self.lm_head(_cast(x, low)).view(total, -1)
+
+    def _add_normalize(self, hidden: torch.Tensor, delta: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+        """`step`'s residual add and the norm after it: `hidden += delta` in place (a step's hidden
+        state is its own tensor), then `_normalize(hidden)`; one C call where the kernels run."""
+        if self.kernel_elementwise:
+            return decode_kernels.residual_rms_norm(hidden, delta, eps)
+        if delta is not None:
+            hidden.add_(delta)
+        return _normalize(hidden, eps)
+
+    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a gate/up projection's output; one C call where the kernels run."""
+        if self.kernel_elementwise:
+            return decode_kernels.silu_mul(gate_up)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return F.silu(gate) * up
 
     def _attention(self, query_key: torch.Tensor, cache: "_DecodeCache", index: int, columns: int,
                    bias: torch.Tensor, scale: float) -> torch.Tensor:
