@@ -1,5 +1,6 @@
 """The CPU decode kernels compute what torch computes: products with few rows (row by row, as
-torch.bmm), the decode step's attention, and its residual-add + norm and SwiGLU."""
+torch.bmm), the decode step's attention, rotary embedding + cache write, residual-add + norm
+and SwiGLU."""
 
 from __future__ import annotations
 
@@ -146,6 +147,33 @@ def test_decode_attention_matches_a_plain_softmax_attention(steps):
     again = decode_kernels.attention(query_key, heads, group_size, prefix_keys, padded_values, keys, values, steps,
                                      bias, scale)
     assert torch.equal(again[:group_size], got[:group_size])
+
+
+@needs_kernel
+def test_rotate_into_cache_rotates_in_place_and_writes_one_cache_column():
+    """Query and key heads rotated as `rotate_pairs` rotates them; the keys (transposed) and values
+    land in column 2 of each row's cache and nowhere else."""
+    from comlrl.models.training_ops import rotate_pairs
+    generator = torch.Generator().manual_seed(3)
+    rows, heads, kv_heads, dim, max_new = 5, 4, 2, 16, 6
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator)
+    angles = torch.randn(rows, 1, dim // 2, generator=generator)
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    keys = torch.randn(rows, kv_heads, dim, max_new, generator=generator)
+    values = torch.randn(rows, kv_heads, max_new, dim, generator=generator)
+    keys_before, values_before, original = keys.clone(), values.clone(), qkv.clone()
+    heads_view = decode_kernels.rotate_into_cache(qkv, rotation, heads, keys, values, 2)
+    assert heads_view.data_ptr() == qkv.data_ptr() and heads_view.shape == (rows, heads + 2 * kv_heads, dim)
+    expected = rotate_pairs(original.view(rows, -1, dim)[:, : heads + kv_heads], rotation)
+    torch.testing.assert_close(heads_view[:, : heads + kv_heads], expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(heads_view[:, heads + kv_heads:], original.view(rows, -1, dim)[:, heads + kv_heads:])
+    assert torch.equal(keys[..., 2], heads_view[:, heads: heads + kv_heads])
+    assert torch.equal(values[:, :, 2], heads_view[:, heads + kv_heads:])
+    others = [c for c in range(max_new) if c != 2]
+    assert torch.equal(keys[..., others], keys_before[..., others])
+    assert torch.equal(values[:, :, others], values_before[:, :, others])
+    with pytest.raises(ValueError, match="column"):
+        decode_kernels.rotate_into_cache(qkv, rotation, heads, keys, values, max_new)
 
 
 @needs_kernel

@@ -404,3 +404,32 @@ void comlrl_silu_mul(int64_t rows, int64_t n, const float *gate_up, float *out) 
         for (; i < n; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
 }
+
+/* One decode step's rotary embedding and cache write, per row r of qkv (rows x [q heads | k heads
+ * | v heads] x dim, row stride ld): every query and key head rotated in place, pair p = (x[2p],
+ * x[2p + 1]) times rotation[r][p] = (cos, sin) as a complex product (rotary pairs adjacent); then
+ * the rotated keys written transposed at column `column` of the row's cache keys (rows, kv, dim,
+ * max_new) and the values at that column of its values (rows, kv, max_new, dim). */
+void comlrl_rotate_into_cache(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, float *qkv, int64_t ld,
+                              const float *rotation, float *keys, float *values, int64_t max_new, int64_t column) {
+    const int64_t half = dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = qkv + r * ld;
+        const float *rot = rotation + r * dim;  /* half (cos, sin) pairs */
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            float *x = row + h * dim;
+            for (int64_t p = 0; p < half; p++) {
+                const float a = x[2 * p], b = x[2 * p + 1], c = rot[2 * p], s = rot[2 * p + 1];
+                x[2 * p] = a * c - b * s;
+                x[2 * p + 1] = a * s + b * c;
+            }
+        }
+        for (int64_t kv = 0; kv < kv_heads; kv++) {
+            const float *k = row + (heads + kv) * dim, *v = row + (heads + kv_heads + kv) * dim;
+            float *key_column = keys + (r * kv_heads + kv) * dim * max_new + column;
+            float *value_row = values + ((r * kv_heads + kv) * max_new + column) * dim;
+            for (int64_t d = 0; d < dim; d++) key_column[d * max_new] = k[d];
+            memcpy(value_row, v, dim * sizeof(float));
+        }
+    }
+}

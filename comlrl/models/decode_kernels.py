@@ -136,6 +136,8 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_residual_rms_norm.restype = None
     lib.comlrl_silu_mul.argtypes = [i64, i64, pointer, pointer]
     lib.comlrl_silu_mul.restype = None
+    lib.comlrl_rotate_into_cache.argtypes = [i64, i64, i64, i64, pointer, i64, pointer, pointer, pointer, i64, i64]
+    lib.comlrl_rotate_into_cache.restype = None
     _library = lib
     return lib
 
@@ -151,25 +153,44 @@ def attention(query_key: torch.Tensor, heads: int, group_size: int, prefix_keys:
               prefix_values: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, steps: int,
               bias: torch.Tensor, scale: float) -> torch.Tensor:
     """One decode step's attention (see `lean.StackedLeanDecoder.step`), (rows, heads * head_dim):
-    `query_key` (rows, heads + kv heads, head_dim), rotated, queries first; the prompts' keys
+    `query_key` (rows, heads + more heads, head_dim), rotated, queries first (rows may be strided,
+    as in a QKV projection's output; the heads after the queries are not read); the prompts' keys
     (prompts, kv, head_dim, width) and values (prompts, kv, width, head_dim), each shared by
     `group_size` consecutive rows; every row's generated keys (rows, kv, head_dim, max_new) and
     values (rows, kv, max_new, head_dim), of which the first `steps` columns are used; `bias`
     (rows, 1, 1, >= width + steps), additive. All fp32 and contiguous. One softmax per row and
     head over the prompt and generated columns, as the torch path computes it, to float rounding."""
-    rows, heads_and_kv, dim = query_key.shape
-    kv_heads = heads_and_kv - heads
+    rows, _, dim = query_key.shape
+    kv_heads = prefix_keys.shape[1]
     width, max_new = prefix_keys.shape[-1], keys.shape[-1]
-    for tensor in (query_key, prefix_keys, prefix_values, keys, values, bias):
+    for tensor in (query_key[0], prefix_keys, prefix_values, keys, values, bias):
         if not tensor.is_contiguous() or tensor.dtype != torch.float32:
             raise ValueError("decode_kernels.attention needs contiguous fp32 tensors")
     out = torch.empty(rows, heads * dim, dtype=torch.float32)
     scratch = torch.empty(2 * (width + steps), dtype=torch.float32)  # two query heads at a time
     library().comlrl_decode_attention(
-        rows, kv_heads, heads // kv_heads, dim, group_size, query_key.data_ptr(), heads_and_kv * dim,
+        rows, kv_heads, heads // kv_heads, dim, group_size, query_key.data_ptr(), query_key.stride(0),
         prefix_keys.data_ptr(), prefix_values.data_ptr(), width, keys.data_ptr(), values.data_ptr(), max_new, steps,
         bias.data_ptr(), bias.shape[-1], scale, out.data_ptr(), scratch.data_ptr())
     return out
+
+
+def rotate_into_cache(qkv: torch.Tensor, rotation: torch.Tensor, heads: int, keys: torch.Tensor,
+                      values: torch.Tensor, column: int) -> torch.Tensor:
+    """A decode step's rotary embedding and K/V cache write: `qkv` (rows, (heads + 2 kv) * head_dim),
+    fp32, query and key heads' rotary pairs adjacent, has its query and key heads rotated in place
+    by `rotation` (rows, 1, head_dim / 2) complex64 (`training_ops.rotate_pairs`, to float rounding);
+    the rotated keys and the values are written at `column` of `keys` (rows, kv, head_dim, max_new)
+    and `values` (rows, kv, max_new, head_dim). Returns `qkv` as (rows, heads + 2 kv, head_dim)."""
+    rows, kv_heads, dim, max_new = keys.shape
+    rotation = torch.view_as_real(rotation.contiguous())  # a no-op for the rollout's step-major table
+    if (qkv.dtype != torch.float32 or qkv.stride(-1) != 1 or qkv.shape != (rows, (heads + 2 * kv_heads) * dim)
+            or rotation.dtype != torch.float32 or not rotation.is_contiguous() or rotation.numel() != rows * dim
+            or not keys.is_contiguous() or not values.is_contiguous() or not 0 <= column < max_new):
+        raise ValueError("decode_kernels.rotate_into_cache: shapes, dtypes or column do not fit the cache")
+    library().comlrl_rotate_into_cache(rows, heads, kv_heads, dim, qkv.data_ptr(), qkv.stride(0), rotation.data_ptr(),
+                                       keys.data_ptr(), values.data_ptr(), max_new, column)
+    return qkv.view(rows, heads + 2 * kv_heads, dim)
 
 
 def residual_rms_norm(hidden: torch.Tensor, delta: Optional[torch.Tensor], eps: float) -> torch.Tensor:

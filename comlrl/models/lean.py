@@ -275,17 +275,21 @@ class StackedLeanDecoder:
         for index, layer in enumerate(self.layers):
             next_eps = self.layers[index + 1].eps if index + 1 < len(self.layers) else self.final_eps
             qkv = layer.qkv(_cast(x, low)).view(total, -1)
-            query_key = qkv[:, : self.q_size + self.kv_size].view(total, self.num_heads + self.num_kv_heads, self.head_dim)
-            query_key = training_ops.rotate_pairs(query_key, rotation)
             keys, values = cache.keys[index], cache.values[index]
-            new_keys = query_key[:, self.num_heads:]
-            new_values = qkv[:, self.q_size + self.kv_size:].view(total, self.num_kv_heads, self.head_dim)
-            if fixed_shape:
-                keys.index_copy_(3, steps_done, new_keys.unsqueeze(-1).to(keys.dtype))
-                values.index_copy_(2, steps_done, new_values.unsqueeze(2).to(values.dtype))
+            if self.kernel_elementwise and self.kernel_attention and not fixed_shape:
+                query_key = decode_kernels.rotate_into_cache(qkv, rotation, self.num_heads, keys, values, steps_done)
             else:
-                keys[:, :, :, steps_done] = new_keys
-                values[:, :, steps_done] = new_values
+                query_key = qkv[:, : self.q_size + self.kv_size].view(total, self.num_heads + self.num_kv_heads,
+                                                                       self.head_dim)
+                query_key = training_ops.rotate_pairs(query_key, rotation)
+                new_keys = query_key[:, self.num_heads:]
+                new_values = qkv[:, self.q_size + self.kv_size:].view(total, self.num_kv_heads, self.head_dim)
+                if fixed_shape:
+                    keys.index_copy_(3, steps_done, new_keys.unsqueeze(-1).to(keys.dtype))
+                    values.index_copy_(2, steps_done, new_values.unsqueeze(2).to(values.dtype))
+                else:
+                    keys[:, :, :, steps_done] = new_keys
+                    values[:, :, steps_done] = new_values
             if self.kernel_attention and not fixed_shape:  # one C call (fp32 on the CPU)
                 attended = decode_kernels.attention(query_key, self.num_heads, cache.group_size, cache.prefix_keys[index],
                                                     cache.prefix_values[index], keys, values, columns,
