@@ -3,12 +3,13 @@ and the pieces keep only what they say they keep."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, rotate_half
 
-from comlrl.models import training_ops
+from comlrl.models import decode_kernels, training_ops
 
 
 def _model_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -104,3 +105,40 @@ def test_rotary_is_the_models_on_pair_adjacent_rows_and_backward_passes_gradchec
     rounded = training_ops.rotary(x[..., adjacent].float(), rotation.to(torch.complex64), torch.bfloat16)
     assert rounded.dtype == torch.bfloat16
     assert torch.allclose(rounded.double(), expected, atol=2e-2)
+
+
+needs_kernel = pytest.mark.skipif(decode_kernels.library() is None,
+                                  reason="the C kernels need an x86-64 CPU with AVX2 and FMA and a C compiler")
+
+
+def _forward_and_grads(fn, inputs):
+    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+    return out.detach(), [t.grad for t in inputs]
+
+
+@needs_kernel
+@pytest.mark.parametrize("piece", ["norm_linear", "swiglu_linear"])
+def test_c_kernels_compute_the_fp32_pieces_as_the_torch_ops_do(piece, monkeypatch):
+    """In fp32 on the CPU the norm and SwiGLU (forward, recomputation and backward) run as C kernels
+    (`decode_kernels`); values and gradients agree with the torch ops to float rounding."""
+    generator = torch.Generator().manual_seed(7)
+    if piece == "norm_linear":
+        inputs = [torch.randn(37, 256, generator=generator) * 2, 1 + 0.1 * torch.randn(256, generator=generator),
+                  torch.randn(48, 256, generator=generator) * 0.05, torch.randn(24, 256, generator=generator) * 0.05]
+        fn = lambda x, w, p, q: training_ops.norm_linear(x, w, 1e-6, [p, q])  # noqa: E731
+        kernel = "rms_norm_backward"
+    else:
+        inputs = [torch.randn(37, 2 * 96, generator=generator) * 3, torch.randn(64, 96, generator=generator) * 0.05]
+        fn = training_ops.swiglu_linear
+        kernel = "swiglu_backward"
+    calls, original = [], getattr(decode_kernels, kernel)
+    monkeypatch.setattr(decode_kernels, kernel, lambda *a: calls.append(1) or original(*a))
+    with_kernels, kernel_grads = _forward_and_grads(fn, inputs)
+    assert calls, "the fp32 backward did not run the C kernel"
+    monkeypatch.setattr(training_ops, "_kernels_take", lambda *tensors: False)
+    with_torch, torch_grads = _forward_and_grads(fn, inputs)
+    torch.testing.assert_close(with_kernels, with_torch, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(kernel_grads, torch_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)

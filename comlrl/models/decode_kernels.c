@@ -433,3 +433,100 @@ void comlrl_rotate_into_cache(int64_t rows, int64_t heads, int64_t kv_heads, int
         }
     }
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * The training pass's elementwise work on fp32 activations (`training_ops`): each kernel is one
+ * pass over the rows where the torch ops made 3-6 (and SwiGLU's took strided halves of gate_up).
+ */
+
+/* SwiGLU's backward for gate_up (rows x 2n) = [gate | up] per row and the gradient of
+ * silu(gate) * up, grad_hidden (rows x n): grad_gate_up (rows x 2n) = [grad_hidden * up *
+ * s (1 + gate (1 - s)) | grad_hidden * gate s], s = sigmoid(gate). */
+void comlrl_swiglu_backward(int64_t rows, int64_t n, const float *gate_up, const float *grad_hidden,
+                            float *grad_gate_up) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * n, *up = gate + n, *grad = grad_hidden + r * n;
+        float *grad_gate = grad_gate_up + r * 2 * n, *grad_up = grad_gate + n;
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + i), gh = _mm256_loadu_ps(grad + i);
+            const __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            _mm256_storeu_ps(grad_up + i, _mm256_mul_ps(gh, _mm256_mul_ps(g, s)));
+            const __m256 slope = _mm256_mul_ps(s, _mm256_fmadd_ps(g, _mm256_sub_ps(one, s), one));
+            _mm256_storeu_ps(grad_gate + i, _mm256_mul_ps(_mm256_mul_ps(gh, _mm256_loadu_ps(up + i)), slope));
+        }
+        for (; i < n; i++) {
+            const float s = 1.0f / (1.0f + expf(-gate[i]));
+            grad_up[i] = grad[i] * (gate[i] * s);
+            grad_gate[i] = grad[i] * up[i] * (s * (1.0f + gate[i] * (1.0f - s)));
+        }
+    }
+}
+
+/* One row's sum of squares, 8 lanes then across them. */
+static inline float sum_of_squares(const float *x, int64_t dim) {
+    __m256 squares = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8) {
+        const __m256 v = _mm256_loadu_ps(x + d);
+        squares = _mm256_fmadd_ps(v, v, squares);
+    }
+    float lanes[8], sum = 0.0f;
+    _mm256_storeu_ps(lanes, squares);
+    for (int i = 0; i < 8; i++) sum += lanes[i];
+    for (; d < dim; d++) sum = fmaf(x[d], x[d], sum);
+    return sum;
+}
+
+/* RMSNorm with its scale: rstd[r] = 1 / sqrt(mean(x[r]^2) + eps) and out[r] = weight * (x[r] *
+ * rstd[r]) (rows x dim, contiguous); with rstd_in (not NULL) the given rstd is used instead, so a
+ * backward pass recomputes exactly the forward's output. */
+void comlrl_rms_norm(int64_t rows, int64_t dim, const float *x, const float *weight, float eps,
+                     const float *rstd_in, float *rstd_out, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * dim;
+        const float rstd = rstd_in ? rstd_in[r] : 1.0f / sqrtf(sum_of_squares(row, dim) / (float)dim + eps);
+        if (rstd_out) rstd_out[r] = rstd;
+        const __m256 scale = _mm256_set1_ps(rstd);
+        float *o = out + r * dim;
+        int64_t d = 0;
+        for (; d + 8 <= dim; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(weight + d), _mm256_mul_ps(_mm256_loadu_ps(row + d), scale)));
+        for (; d < dim; d++) o[d] = weight[d] * (row[d] * rstd);
+    }
+}
+
+/* RMSNorm's backward, out = weight * x_hat, x_hat = x * rstd: grad_x[r] = rstd[r] * (g - x_hat
+ * mean(g x_hat)) with g = grad[r] * weight; grad_weight (dim; NULL: not wanted) = sum over rows of
+ * grad * x_hat, accumulated row by row into zeroed memory. */
+void comlrl_rms_norm_backward(int64_t rows, int64_t dim, const float *grad, const float *x, const float *rstd,
+                              const float *weight, float *grad_x, float *grad_weight) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = grad + r * dim, *row = x + r * dim;
+        const __m256 scale = _mm256_set1_ps(rstd[r]);
+        __m256 dots = _mm256_setzero_ps();
+        int64_t d = 0;
+        for (; d + 8 <= dim; d += 8) {
+            const __m256 x_hat = _mm256_mul_ps(_mm256_loadu_ps(row + d), scale), gd = _mm256_loadu_ps(g + d);
+            dots = _mm256_fmadd_ps(_mm256_mul_ps(gd, _mm256_loadu_ps(weight + d)), x_hat, dots);
+            if (grad_weight) _mm256_storeu_ps(grad_weight + d, _mm256_fmadd_ps(gd, x_hat, _mm256_loadu_ps(grad_weight + d)));
+        }
+        float lanes[8], dot = 0.0f;
+        _mm256_storeu_ps(lanes, dots);
+        for (int i = 0; i < 8; i++) dot += lanes[i];
+        for (; d < dim; d++) {
+            const float x_hat = row[d] * rstd[r];
+            dot = fmaf(g[d] * weight[d], x_hat, dot);
+            if (grad_weight) grad_weight[d] = fmaf(g[d], x_hat, grad_weight[d]);
+        }
+        const __m256 mean = _mm256_set1_ps(dot / (float)dim);
+        float *gx = grad_x + r * dim;
+        for (d = 0; d + 8 <= dim; d += 8) {
+            const __m256 x_hat = _mm256_mul_ps(_mm256_loadu_ps(row + d), scale);
+            const __m256 gw = _mm256_mul_ps(_mm256_loadu_ps(g + d), _mm256_loadu_ps(weight + d));
+            _mm256_storeu_ps(gx + d, _mm256_mul_ps(_mm256_fnmadd_ps(x_hat, mean, gw), scale));
+        }
+        for (; d < dim; d++) gx[d] = (g[d] * weight[d] - row[d] * rstd[r] * (dot / (float)dim)) * rstd[r];
+    }
+}

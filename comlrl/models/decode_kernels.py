@@ -1,4 +1,5 @@
-"""fp32 decode steps on the CPU: small C kernels for the projections and the attention.
+"""fp32 decode steps on the CPU: small C kernels for the projections, the attention and the
+elementwise work between them (also used for the training pass's norms and SwiGLU, `training_ops`).
 
 A decode step multiplies 8-32 rows per agent by every weight of the model, and each weight is
 reused for every step of a sampling call. MKL's sgemm, which `torch.bmm` runs on the CPU, does
@@ -42,7 +43,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -138,6 +139,12 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_silu_mul.restype = None
     lib.comlrl_rotate_into_cache.argtypes = [i64, i64, i64, i64, pointer, i64, pointer, pointer, pointer, i64, i64]
     lib.comlrl_rotate_into_cache.restype = None
+    lib.comlrl_swiglu_backward.argtypes = [i64, i64, pointer, pointer, pointer]
+    lib.comlrl_swiglu_backward.restype = None
+    lib.comlrl_rms_norm.argtypes = [i64, i64, pointer, pointer, ctypes.c_float, pointer, pointer, pointer]
+    lib.comlrl_rms_norm.restype = None
+    lib.comlrl_rms_norm_backward.argtypes = [i64, i64, pointer, pointer, pointer, pointer, pointer, pointer]
+    lib.comlrl_rms_norm_backward.restype = None
     _library = lib
     return lib
 
@@ -214,6 +221,51 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(*gate_up.shape[:-1], half)
     library().comlrl_silu_mul(gate_up.numel() // gate_up.shape[-1], half, gate_up.data_ptr(), out.data_ptr())
     return out
+
+
+def swiglu_backward(gate_up: torch.Tensor, grad_hidden: torch.Tensor) -> torch.Tensor:
+    """The gradient of `silu_mul(gate_up)` with respect to `gate_up` (fp32, contiguous), given the
+    gradient `grad_hidden` of its output: [grad * up * silu'(gate) | grad * silu(gate)]."""
+    half = gate_up.shape[-1] // 2
+    grad_hidden = grad_hidden.contiguous()
+    if not gate_up.is_contiguous() or grad_hidden.shape != (*gate_up.shape[:-1], half) \
+            or grad_hidden.dtype != torch.float32:
+        raise ValueError("decode_kernels.swiglu_backward needs a contiguous [gate | up] and a gradient of half its width")
+    grad_gate_up = torch.empty_like(gate_up)
+    library().comlrl_swiglu_backward(gate_up.numel() // gate_up.shape[-1], half, gate_up.data_ptr(),
+                                     grad_hidden.data_ptr(), grad_gate_up.data_ptr())
+    return grad_gate_up
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             rstd: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm with its scale over the last dimension of 2-D fp32 `x`: (weight * x * rstd, rstd)
+    with rstd (rows, 1) = 1 / sqrt(mean(x^2) + eps); given `rstd` (from an earlier call), it is
+    reused, so the output is the earlier call's, bitwise."""
+    rows, dim = x.shape
+    if not x.is_contiguous() or weight.shape != (dim,) or not weight.is_contiguous():
+        raise ValueError("decode_kernels.rms_norm needs a contiguous (rows, dim) input and a (dim,) weight")
+    out = torch.empty_like(x)
+    given = rstd is not None
+    rstd = rstd if given else x.new_empty(rows, 1)
+    library().comlrl_rms_norm(rows, dim, x.data_ptr(), weight.data_ptr(), eps, rstd.data_ptr() if given else None,
+                              None if given else rstd.data_ptr(), out.data_ptr())
+    return out, rstd
+
+
+def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                      weight_needs_grad: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(grad of x, grad of weight or None) of `rms_norm(x, weight, eps)` given the gradient of its
+    output and the forward's `rstd`; fp32, 2-D."""
+    grad = grad.contiguous()
+    if grad.shape != x.shape or grad.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError("decode_kernels.rms_norm_backward needs fp32 gradients shaped like the contiguous input")
+    grad_x = torch.empty_like(x)
+    grad_weight = torch.zeros_like(weight) if weight_needs_grad else None
+    library().comlrl_rms_norm_backward(x.shape[0], x.shape[1], grad.data_ptr(), x.data_ptr(), rstd.data_ptr(),
+                                       weight.data_ptr(), grad_x.data_ptr(),
+                                       None if grad_weight is None else grad_weight.data_ptr())
+    return grad_x, grad_weight
 
 
 def _aligned_empty(floats: int) -> torch.Tensor:
