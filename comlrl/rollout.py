@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from comlrl.losses import bucketed_width, completion_mask
+from comlrl.models import decode_kernels
 from comlrl.models.lean import cache_argument as lean_cache_argument
 from comlrl.models.lean import StackedLeanDecoder, fuse_decoding, fusion_signature, lean_decoder_for
 from comlrl.precision import autocast
@@ -109,6 +110,10 @@ def draw_tokens(logits: torch.Tensor, uniforms: torch.Tensor, settings: Sampling
     """
     vocab = logits.shape[-1]
     top_k = settings.top_k if settings.top_k and settings.top_k < vocab else None
+    if top_k and uniforms.dtype == torch.float32 and decode_kernels.runs(logits):
+        # fp32 on the CPU: one C call for the ~15 torch ops below (a decode step's sampling, 2 agents
+        # x 16 rows: ~290 -> ~40 us with caches cold from the step's weights).
+        return decode_kernels.draw_tokens(logits, uniforms, top_k, settings.temperature, settings.top_p)
     if top_k:
         logits, candidates = torch.topk(logits, top_k, dim=-1)  # sorted, best first
         logits = logits.flip(-1)
@@ -284,32 +289,41 @@ def _decode(model, batches: List[_PromptBatch], settings: SamplingSettings, comp
     attention[:, :width] = torch.cat([s.prompt_mask.repeat_interleave(k, dim=0) for s in batches])
     pad_id = batches[0].pad_id
     eos = torch.tensor(batches[0].eos_ids, device=device)
-    generated = torch.full((rows, max_new), pad_id, dtype=torch.long, device=device)
+    is_eos = _eos_table(eos, logits.shape[1], pad_id)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     if decoder is not None:
         bias = decoder.attention_bias(attention)
         # Step-major, so that each step's rotations are one contiguous block.
         rotations = decoder.rotary_table(positions + torch.arange(1, max_new + 1, device=device)).transpose(0, 1).contiguous()
         if use_cuda_graphs(device, max_new):
-            return _graphed_decode(decoder, cache, logits, uniforms, bias, rotations, eos, pad_id, settings,
+            return _graphed_decode(decoder, cache, logits, uniforms, bias, rotations, is_eos, pad_id, settings,
                                   capture=device.type == "cuda")
-    steps = 0
+    columns = []  # each step's tokens, stacked at the end (cheaper than a strided write per step)
     for t in range(max_new):
         tokens = draw_tokens(logits, uniforms[t], settings).masked_fill_(finished, pad_id)
-        generated[:, t] = tokens
-        steps = t + 1
-        finished |= torch.isin(tokens, eos)
+        columns.append(tokens)
+        finished |= is_eos[tokens]
         if t + 1 == max_new or bool(finished.all()):
             break
-        positions = positions + 1
         if decoder is not None:
             logits = decoder.step(tokens, rotations[t], cache, t, bias).float()
         else:
+            positions = positions + 1
             with autocast(device, compute_dtype):
                 logits = model(input_ids=tokens.unsqueeze(1), attention_mask=attention[:, : width + t + 1],
                                position_ids=positions, use_cache=True, logits_to_keep=1,
                                **{lean_cache_argument(model): cache}).logits[:, -1, :].float()
-    return generated[:, :steps]
+    return torch.stack(columns, dim=1)
+
+
+def _eos_table(eos: torch.Tensor, vocab: int, pad_id: int) -> torch.Tensor:
+    """A bool per token id (covering the vocabulary, the pad id and every EOS id): True at the EOS
+    ids. Looking tokens up in it replaces `torch.isin`, which sorts (and syncs a GPU) when there
+    are many EOS ids and costs more than an index on a decode step's few rows."""
+    size = max(vocab, pad_id + 1, int(eos.max()) + 1 if eos.numel() else 0)
+    is_eos = torch.zeros(size, dtype=torch.bool, device=eos.device)
+    is_eos[eos] = True
+    return is_eos
 
 
 #: Sampling calls on a CUDA device with at least this many new tokens decode by CUDA graph replay.
@@ -325,7 +339,7 @@ def use_cuda_graphs(device: torch.device, max_new_tokens: int) -> bool:
 
 
 def _graphed_decode(decoder: StackedLeanDecoder, cache, logits: torch.Tensor, uniforms: torch.Tensor,
-                    bias: torch.Tensor, rotations: torch.Tensor, eos: torch.Tensor, pad_id: int,
+                    bias: torch.Tensor, rotations: torch.Tensor, is_eos: torch.Tensor, pad_id: int,
                     settings: SamplingSettings, capture: bool) -> torch.Tensor:
     """`_decode`'s loop with every step of one fixed shape (`StackedLeanDecoder.step` with the step
     index as a device tensor), so that, with `capture`, one step (draw, cache write, forward) is
@@ -340,9 +354,6 @@ def _graphed_decode(decoder: StackedLeanDecoder, cache, logits: torch.Tensor, un
     # Row t: -inf on the generated columns past t (not yet written at step t).
     unwritten = torch.full((max_new, max_new), float("-inf"), dtype=bias.dtype, device=device).triu_(1)
     unwritten = F.pad(unwritten, (width, 0))
-    # EOS lookup by index: torch.isin sorts (and syncs) when there are many EOS ids.
-    is_eos = torch.zeros(max(logits.shape[1], pad_id + 1, int(eos.max()) + 1), dtype=torch.bool, device=device)
-    is_eos[eos] = True
     step = torch.zeros(1, dtype=torch.long, device=device)
     steps_taken = torch.zeros((), dtype=torch.long, device=device)
     logits = logits.clone()

@@ -6,13 +6,15 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from comlrl.models import load_causal_lm, load_tokenizer
+from comlrl.models import decode_kernels, load_causal_lm, load_tokenizer
 from comlrl.rollout import SamplingSettings, draw_tokens, sample_completions
 
 
+@pytest.mark.parametrize("uniform_dtype", [torch.float64, torch.float32], ids=["torch-ops", "fp32"])
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.6, 50, 0.6), (1.0, None, 0.9), (0.7, 5, 1.0), (1.3, 20, 0.3)])
-def test_token_distribution_matches_transformers_warpers(temperature, top_k, top_p):
-    """Drawing with a fine grid of uniforms reproduces the warped distribution of `generate`."""
+def test_token_distribution_matches_transformers_warpers(temperature, top_k, top_p, uniform_dtype):
+    """Drawing with a fine grid of uniforms reproduces the warped distribution of `generate`, with
+    the torch ops and (fp32 uniforms and top-k, on a CPU that runs them) the C sampler."""
     torch.manual_seed(0)
     logits = torch.randn(3, 300) * 3
     reference = TemperatureLogitsWarper(temperature)(None, logits.clone())
@@ -22,13 +24,33 @@ def test_token_distribution_matches_transformers_warpers(temperature, top_k, top
         reference = TopPLogitsWarper(top_p)(None, reference)
     want = reference.softmax(-1)
     grid = 20000
-    uniforms = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
+    uniforms = ((torch.arange(grid, dtype=torch.float64) + 0.5) / grid).to(uniform_dtype)
     settings = SamplingSettings(2, 1, temperature, top_p, top_k)
     for row in range(3):
         tokens = draw_tokens(logits[row:row + 1].expand(grid, -1), uniforms, settings)
         got = torch.bincount(tokens, minlength=300).double() / grid
         assert (got - want[row].double()).abs().max() < 2.0 / grid
         assert set(tokens.tolist()) <= set(torch.nonzero(want[row] > 0).flatten().tolist())
+
+
+@pytest.mark.skipif(decode_kernels.library() is None, reason="the C kernels need an x86-64 CPU with AVX2 and FMA")
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.6, 50, 0.6), (1.0, 5, 1.0), (1.3, 256, 0.97)])
+def test_the_c_sampler_draws_what_the_torch_ops_draw(temperature, top_k, top_p, monkeypatch):
+    """Same tokens from the C sampler and the torch ops for 4,000 rows of random logits and uniforms
+    (their float sums round differently, so a uniform within rounding of a boundary could differ:
+    allowed for at most 2 rows), including rows with -inf (masked) logits; the C sampler runs."""
+    generator = torch.Generator().manual_seed(top_k)
+    logits = torch.randn(4000, 257, generator=generator) * 3
+    logits[::7, :200] = float("-inf")
+    uniforms = torch.rand(4000, generator=generator)
+    settings = SamplingSettings(1, 1, temperature, top_p, top_k)
+    calls, original = [], decode_kernels.draw_tokens
+    monkeypatch.setattr(decode_kernels, "draw_tokens", lambda *a: calls.append(1) or original(*a))
+    with_kernel = draw_tokens(logits, uniforms, settings)
+    assert calls
+    monkeypatch.setattr(decode_kernels, "runs", lambda tensor: False)
+    with_torch = draw_tokens(logits, uniforms, settings)
+    assert (with_kernel != with_torch).sum() <= 2
 
 
 def test_samples_do_not_depend_on_the_batch(tiny_model_dir):

@@ -530,3 +530,53 @@ void comlrl_rms_norm_backward(int64_t rows, int64_t dim, const float *grad, cons
         for (; d < dim; d++) gx[d] = (g[d] * weight[d] - row[d] * rstd[r] * (dot / (float)dim)) * rstd[r];
     }
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * Sampling one token per row (`rollout.draw_tokens` with top-k): temperature -> top-k -> top-p ->
+ * inverse-CDF draw with the row's uniform. Ties among the top k keep the lower token id first.
+ */
+void comlrl_draw_tokens(int64_t rows, int64_t vocab, const float *logits, int64_t ld, const float *uniforms,
+                        int64_t top_k, float temperature, float top_p, int64_t *out, float *values, int64_t *ids,
+                        float *cdf) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = logits + r * ld;
+        int64_t n = 0;  /* values/ids hold the best n logits so far, best first */
+        for (int64_t t = 0; t < vocab; t++) {
+            const float v = row[t];
+            if (n == top_k && !(v > values[n - 1])) continue;
+            int64_t at = n < top_k ? n++ : n - 1;  /* the slot freed at the end, then moved up */
+            while (at > 0 && v > values[at - 1]) {
+                values[at] = values[at - 1];
+                ids[at] = ids[at - 1];
+                at--;
+            }
+            values[at] = v;
+            ids[at] = t;
+        }
+        /* From here on ascending, as torch.topk's output flipped: position i holds the (n-1-i)-th best. */
+        const float best = values[0] / temperature;
+        float total = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            cdf[i] = expf(values[n - 1 - i] / temperature - best);
+            total += cdf[i];
+        }
+        int64_t first = 0;  /* top-p: drop the least likely while their mass stays <= 1 - top_p */
+        if (top_p < 1.0f) {
+            float running = 0.0f;
+            while (first < n - 1) {
+                running += cdf[first];
+                if (!(running / total <= 1.0f - top_p)) break;
+                first++;
+            }
+        }
+        float kept = 0.0f;
+        for (int64_t i = first; i < n; i++) {
+            kept += cdf[i];
+            cdf[i] = kept;
+        }
+        const float target = uniforms[r] * kept;
+        int64_t pick = first;
+        while (pick < n - 1 && !(cdf[pick] > target)) pick++;
+        out[r] = ids[n - 1 - pick];
+    }
+}

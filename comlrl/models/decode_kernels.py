@@ -145,6 +145,9 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_rms_norm.restype = None
     lib.comlrl_rms_norm_backward.argtypes = [i64, i64, pointer, pointer, pointer, pointer, pointer, pointer]
     lib.comlrl_rms_norm_backward.restype = None
+    lib.comlrl_draw_tokens.argtypes = [i64, i64, pointer, i64, pointer, i64, ctypes.c_float, ctypes.c_float, pointer,
+                                       pointer, pointer, pointer]
+    lib.comlrl_draw_tokens.restype = None
     _library = lib
     return lib
 
@@ -266,6 +269,23 @@ def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, w
                                        weight.data_ptr(), grad_x.data_ptr(),
                                        None if grad_weight is None else grad_weight.data_ptr())
     return grad_x, grad_weight
+
+
+def draw_tokens(logits: torch.Tensor, uniforms: torch.Tensor, top_k: int, temperature: float,
+                top_p: float) -> torch.Tensor:
+    """One token per row of `logits` (rows, vocab), fp32, as `rollout.draw_tokens` draws it with
+    top-k (0 < top_k < vocab): temperature, the top k (ties: lower token id first), top-p over
+    them, then the token where the row's uniform (`uniforms` (rows,), fp32) falls in their
+    cumulative distribution. A row's draw depends only on its logits and uniform."""
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1 or uniforms.shape != (rows,) or uniforms.dtype != torch.float32 or not 0 < top_k < vocab:
+        raise ValueError("decode_kernels.draw_tokens needs fp32 logits rows, one fp32 uniform per row and 0 < top_k < vocab")
+    uniforms = uniforms.contiguous()
+    out = torch.empty(rows, dtype=torch.long)
+    values, cdf, ids = torch.empty(top_k), torch.empty(top_k), torch.empty(top_k, dtype=torch.long)
+    library().comlrl_draw_tokens(rows, vocab, logits.data_ptr(), logits.stride(0), uniforms.data_ptr(), top_k,
+                                 temperature, top_p, out.data_ptr(), values.data_ptr(), ids.data_ptr(), cdf.data_ptr())
+    return out
 
 
 def _aligned_empty(floats: int) -> torch.Tensor:
