@@ -177,6 +177,22 @@ def test_rotate_into_cache_rotates_in_place_and_writes_one_cache_column():
 
 
 @needs_kernel
+@pytest.mark.parametrize("conjugate", [False, True], ids=["rotate", "conjugate"])
+def test_rotate_matches_the_complex_product_on_strided_rows(conjugate):
+    from comlrl.models.training_ops import rotate_pairs
+    generator = torch.Generator().manual_seed(5)
+    qkv = torch.randn(7, 8 * 16, generator=generator)
+    x = qkv[:, : 6 * 16].view(7, 6, 16)  # query and key heads of a QKV output: rows strided
+    angles = torch.randn(7, 1, 8, generator=generator)
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    got = decode_kernels.rotate(x, rotation, conjugate)
+    expected = rotate_pairs(x, rotation.conj() if conjugate else rotation)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert decode_kernels.rotate(x.double(), rotation, conjugate) is None  # not a layout it takes
+
+
+@needs_kernel
 @pytest.mark.parametrize("dim", [256, 64, 13])
 @pytest.mark.parametrize("with_delta", [True, False], ids=["residual", "norm-only"])
 def test_residual_rms_norm_adds_in_place_and_matches_rms_norm(dim, with_delta):

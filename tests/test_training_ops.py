@@ -119,25 +119,32 @@ def _forward_and_grads(fn, inputs):
 
 
 @needs_kernel
-@pytest.mark.parametrize("piece", ["norm_linear", "swiglu_linear"])
+@pytest.mark.parametrize("piece", ["norm_linear", "swiglu_linear", "rotary"])
 def test_c_kernels_compute_the_fp32_pieces_as_the_torch_ops_do(piece, monkeypatch):
-    """In fp32 on the CPU the norm and SwiGLU (forward, recomputation and backward) run as C kernels
-    (`decode_kernels`); values and gradients agree with the torch ops to float rounding."""
+    """In fp32 on the CPU the norm, SwiGLU and rotary embedding (forward, recomputation, backward)
+    run as C kernels (`decode_kernels`); values and gradients agree with the torch ops to float
+    rounding."""
     generator = torch.Generator().manual_seed(7)
     if piece == "norm_linear":
         inputs = [torch.randn(37, 256, generator=generator) * 2, 1 + 0.1 * torch.randn(256, generator=generator),
                   torch.randn(48, 256, generator=generator) * 0.05, torch.randn(24, 256, generator=generator) * 0.05]
         fn = lambda x, w, p, q: training_ops.norm_linear(x, w, 1e-6, [p, q])  # noqa: E731
         kernel = "rms_norm_backward"
-    else:
+    elif piece == "swiglu_linear":
         inputs = [torch.randn(37, 2 * 96, generator=generator) * 3, torch.randn(64, 96, generator=generator) * 0.05]
         fn = training_ops.swiglu_linear
         kernel = "swiglu_backward"
+    else:
+        angles = torch.randn(37, 1, 32, generator=generator)
+        rotation = torch.polar(torch.ones_like(angles), angles)
+        inputs = [torch.randn(37, 6, 64, generator=generator)]
+        fn = lambda x: training_ops.rotary(x, rotation)  # noqa: E731
+        kernel = "rotate"
     calls, original = [], getattr(decode_kernels, kernel)
     monkeypatch.setattr(decode_kernels, kernel, lambda *a: calls.append(1) or original(*a))
     with_kernels, kernel_grads = _forward_and_grads(fn, inputs)
     assert calls, "the fp32 backward did not run the C kernel"
-    monkeypatch.setattr(training_ops, "_kernels_take", lambda *tensors: False)
+    monkeypatch.setattr(decode_kernels, "runs", lambda tensor: False)
     with_torch, torch_grads = _forward_and_grads(fn, inputs)
     torch.testing.assert_close(with_kernels, with_torch, rtol=1e-5, atol=1e-5)
     for got, expected in zip(kernel_grads, torch_grads):

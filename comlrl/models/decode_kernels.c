@@ -580,3 +580,25 @@ void comlrl_draw_tokens(int64_t rows, int64_t vocab, const float *logits, int64_
         out[r] = ids[n - 1 - pick];
     }
 }
+
+/* The training pass's rotary embedding (`training_ops.rotary`): out (rows x heads x dim,
+ * contiguous) = x (row r at x + r * x_row_stride, heads of dim contiguous) with each head's pair p
+ * = (x[2p], x[2p + 1]) times rotation[r][p] = (cos, sin) as a complex product, or times its
+ * conjugate (cos, -sin) with `conjugate` (the backward pass: the rotation is unitary). */
+void comlrl_rotate(int64_t rows, int64_t heads, int64_t dim, const float *x, int64_t x_row_stride,
+                   const float *rotation, int64_t conjugate, float *out) {
+    const int64_t half = dim / 2;
+    const float sign = conjugate ? -1.0f : 1.0f;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *rot = rotation + r * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *in = x + r * x_row_stride + h * dim;
+            float *o = out + (r * heads + h) * dim;
+            for (int64_t p = 0; p < half; p++) {
+                const float a = in[2 * p], b = in[2 * p + 1], c = rot[2 * p], s = sign * rot[2 * p + 1];
+                o[2 * p] = a * c - b * s;
+                o[2 * p + 1] = a * s + b * c;
+            }
+        }
+    }
+}

@@ -148,6 +148,8 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_draw_tokens.argtypes = [i64, i64, pointer, i64, pointer, i64, ctypes.c_float, ctypes.c_float, pointer,
                                        pointer, pointer, pointer]
     lib.comlrl_draw_tokens.restype = None
+    lib.comlrl_rotate.argtypes = [i64, i64, i64, pointer, i64, pointer, i64, pointer]
+    lib.comlrl_rotate.restype = None
     _library = lib
     return lib
 
@@ -201,6 +203,22 @@ def rotate_into_cache(qkv: torch.Tensor, rotation: torch.Tensor, heads: int, key
     library().comlrl_rotate_into_cache(rows, heads, kv_heads, dim, qkv.data_ptr(), qkv.stride(0), rotation.data_ptr(),
                                        keys.data_ptr(), values.data_ptr(), max_new, column)
     return qkv.view(rows, heads + 2 * kv_heads, dim)
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor, conjugate: bool = False) -> Optional[torch.Tensor]:
+    """`training_ops.rotate_pairs(x, rotation)` (or by the conjugate rotation) for fp32 x (rows,
+    heads, head_dim) whose heads are contiguous within a row (rows may be strided, as slices of a
+    QKV output are) and `rotation` (rows, 1, head_dim / 2) complex64: a new contiguous tensor,
+    equal to the complex product to float rounding. None where these layouts do not hold."""
+    rows, heads, dim = x.shape
+    if (x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != dim or rotation.dtype != torch.complex64
+            or rotation.shape != (rows, 1, dim // 2)):
+        return None
+    rotation = torch.view_as_real(rotation.contiguous())
+    out = torch.empty(rows, heads, dim, dtype=torch.float32)
+    library().comlrl_rotate(rows, heads, dim, x.data_ptr(), x.stride(0), rotation.data_ptr(), int(conjugate),
+                            out.data_ptr())
+    return out
 
 
 def residual_rms_norm(hidden: torch.Tensor, delta: Optional[torch.Tensor], eps: float) -> torch.Tensor:

@@ -65,13 +65,26 @@ class _Rotary(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, rotation: torch.Tensor, out_dtype: torch.dtype):
         ctx.save_for_backward(rotation)
         ctx.x_dtype = x.dtype
-        return rotate_pairs(x, rotation).to(out_dtype)
+        rotated = _rotate_by_kernel(x, rotation, conjugate=False)
+        return (rotate_pairs(x, rotation) if rotated is None else rotated).to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (rotation,) = ctx.saved_tensors
-        grad_x = rotate_pairs(grad.contiguous(), rotation.conj())
+        grad = grad.contiguous()
+        grad_x = _rotate_by_kernel(grad, rotation, conjugate=True)
+        if grad_x is None:
+            grad_x = rotate_pairs(grad, rotation.conj())
         return grad_x.to(ctx.x_dtype), None, None
+
+
+def _rotate_by_kernel(x: torch.Tensor, rotation: torch.Tensor, conjugate: bool) -> Optional[torch.Tensor]:
+    """The rotation as one C call on 3-D fp32 CPU tensors (`decode_kernels.rotate`: the complex
+    product's views and casts cost more than the arithmetic); None where the kernels do not take it."""
+    if x.dim() != 3 or rotation.dim() != 3 or not decode_kernels.runs(x):
+        return None
+    return decode_kernels.rotate(x, rotation.expand(x.shape[0], 1, -1) if rotation.shape[0] == 1 else rotation,
+                                 conjugate)
 
 
 def rotary(x: torch.Tensor, rotation: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
