@@ -203,9 +203,10 @@ class StackedLeanDecoder:
         bias = _prompt_bias(prompt_mask, att)
         scale = dim ** -0.5
         prefix_keys, prefix_values = [], []
-        for layer in self.layers:
-            x = _normalize(hidden, layer.eps)
-            qkv = layer.qkv(x.to(low)).view(total_prompts, width, -1)
+        x = self._add_normalize(hidden, None, self.layers[0].eps)
+        for index, layer in enumerate(self.layers):
+            next_eps = self.layers[index + 1].eps if index + 1 < len(self.layers) else self.final_eps
+            qkv = layer.qkv(_cast(x, low)).view(total_prompts, width, -1)
             query_key, value = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             query_key = training_ops.rotate_pairs(query_key.view(total_prompts, width, self.num_heads + kv, dim), rotation)
             query, key = query_key.to(att).split([self.num_heads, kv], dim=2)
@@ -214,13 +215,11 @@ class StackedLeanDecoder:
             prefix_keys.append(key)
             prefix_values.append(value)
             attended = _prompt_attention(query.reshape(total_prompts, width, kv, group, dim), key, value, bias, scale, att)
-            hidden = hidden + layer.o(attended.reshape(self.count, prompts * width, self.q_size).to(low))
-            x = _normalize(hidden, layer.eps)
-            gate, up = layer.gate_up(x.to(low)).split(self.intermediate, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
-        last = hidden.view(self.count, prompts, width, -1)[:, :, -1]  # (agents, prompts, hidden)
-        last = _normalize(last, self.final_eps)
-        logits = self.lm_head(last.to(low).contiguous()).view(total_prompts, -1)
+            x = self._add_normalize(hidden, layer.o(attended.reshape(self.count, prompts * width, self.q_size).to(low)),
+                                    layer.eps)
+            x = self._add_normalize(hidden, layer.down(self._swiglu(layer.gate_up(_cast(x, low)))), next_eps)
+        last = x.view(self.count, prompts, width, -1)[:, :, -1]  # (agents, prompts, hidden), final-normed
+        logits = self.lm_head(_cast(last, low).contiguous()).view(total_prompts, -1)
         return logits, self._cache(prefix_keys, prefix_values, group_size, max_new_tokens)
 
     def attention_bias(self, attention_mask: torch.Tensor) -> torch.Tensor:
