@@ -1,5 +1,6 @@
-"""fp32 decode steps on the CPU: small C kernels for the projections, the attention and the
-elementwise work between them (also used for the training pass's norms and SwiGLU, `training_ops`).
+"""fp32 work on the CPU that torch runs as many small ops: C kernels for the decode step (its
+projections, attention, rotary embedding + cache write, residual adds + norms, SwiGLU, and the
+top-k sampler) and for the training pass's norms, SwiGLU and rotary embedding (`training_ops`).
 
 A decode step multiplies 8-32 rows per agent by every weight of the model, and each weight is
 reused for every step of a sampling call. MKL's sgemm, which `torch.bmm` runs on the CPU, does
@@ -20,12 +21,21 @@ step's projections 1.70 -> 1.14 ms at 16 rows per agent (89 -> 132 GFLOP/s) and 
 at 8; the sampling call above 177 -> 161 ms (K=4) and 270 -> 230 ms (K=8), same tokens: both
 kernel families sum in the same order, so their results are equal bit for bit.
 
+Around the products, each small torch op of a step cost 5-30 us in place (caches cold from
+streaming the weights), so the step's remaining elementwise work is C too: a residual add and the
+norm after it in one call, SwiGLU in one, the rotary embedding with the K/V cache write in one,
+and the draw (temperature, top-k, top-p, inverse CDF) in one. The attention kernel runs four
+8-column blocks and a KV head's two query heads per pass (one block at a time, each sum waited on
+the FMA latency), with masked tails, same sums bit for bit: 113 -> 58 us per call at 2 agents x 16
+rows. On the Xeon, one 2-agent medium-model sampling call went 171 -> ~132 ms (K=4) and 249 ->
+~180 ms (K=8) with all of these; the draw alone 18.5 -> 10.2 ms per K=8 call.
+
 Where they run: fp32 tensors on the CPU with one torch thread (the kernels are single-threaded;
 with more threads MKL and oneDNN split the work instead), on a CPU with AVX2 and FMA, and the
 16-wide products where PyTorch reports AVX-512. The library is compiled once per machine with the
 system C compiler (`cc -O3 -mavx2 -mfma`, about a second; the AVX-512 functions carry their own
 target attribute) into `$COMLRL_KERNEL_CACHE` (default `~/.cache/comlrl/kernels`); `make install`
-builds it. Without a compiler, or with `COMLRL_DECODE_KERNELS=0`, the decode steps use torch ops.
+builds it. Without a compiler, or with `COMLRL_DECODE_KERNELS=0`, torch ops do all of this.
 
 The kernels sum each row's products in input order, one fused multiply-add at a time, so a row's
 result does not depend on how many rows share the call (a sample does not depend on its batch),

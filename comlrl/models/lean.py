@@ -260,7 +260,9 @@ class StackedLeanDecoder:
         grouped-query heads are rows of their KV head's product (no repeat of keys or values).
         Measured on the CPU (L benchmark shapes): SDPA over a per-row cache 3.9 ms per step, per-row
         matmul attention 3.0 ms, this ~2.2 ms. With an fp32 cache on the CPU the same attention runs as
-        one C call per layer (`decode_kernels.attention`), in place of ~40 small torch ops."""
+        one C call per layer (`decode_kernels.attention`), in place of ~40 small torch ops; where the
+        whole step is fp32 there, so do the rotary embedding with the K/V write, each residual add
+        with the norm after it, and SwiGLU."""
         total = tokens.shape[0]
         rows = total // self.count
         width = cache.prefix_keys[0].shape[-1]

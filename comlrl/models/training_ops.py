@@ -19,12 +19,13 @@ chunk: 42 MB of saved activations in fp32 with a plain norm, linear and SwiGLU, 
 
 The norm and SwiGLU forwards are the transformers model's ops, bitwise, and recomputing them gives
 the same values, so the logits and gradients are those of the plain composition (tested). On fp32
-CPU tensors with one torch thread, the norm's forward and backward and SwiGLU's run as C kernels
-instead (`decode_kernels`: one pass over the rows each, where the torch ops make 3-6, SwiGLU's over
-strided halves of gate_up), equal to the torch ops to float rounding; the backward pass recomputes
-with the same kernel, so it still sees the forward's values bitwise. Medium tiny model, one
-528-token chunk's forward + backward: ~100 -> ~95 ms (interleaved, noisy host). The rotary
-embedding is one complex multiply on pair-adjacent rows, equal to the model's to float rounding.
+CPU tensors with one torch thread, the norm's forward and backward, SwiGLU's and the rotary
+embedding's run as C kernels instead (`decode_kernels`: one pass over the rows each, where the
+torch ops make 3-6, SwiGLU's over strided halves of gate_up), equal to the torch ops to float
+rounding; the backward pass recomputes with the same kernel, so it still sees the forward's values
+bitwise. Medium tiny model, one 528-token chunk's forward + backward: ~100 -> ~93 ms (interleaved,
+noisy host). The rotary embedding is one complex multiply on pair-adjacent rows, equal to the
+model's to float rounding.
 """
 
 from __future__ import annotations
