@@ -350,21 +350,24 @@ class PanelWeights:
         if biases is not None:
             self.bias = torch.zeros(self.count, panels * self.width, dtype=torch.float32)
             self.bias[:, : self.out_features] = torch.stack([b.reshape(-1) for b in biases])
+        # The call's fixed arguments, once: a decode step makes ~17 of these calls, and looking
+        # them up per call cost about as much as the ctypes call itself.
+        self._gemm = lib.comlrl_panel_gemm
+        self._weight_args = (self.packed.data_ptr(), self._agent_floats,
+                             None if self.bias is None else self.bias.data_ptr(),
+                             0 if self.bias is None else self.bias.stride(0))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         agents, rows, width = x.shape
         if agents != self.count or width != self.in_features or x.dtype != torch.float32:
             raise ValueError(f"PanelWeights for {self.count} agents x {self.in_features} inputs (float32) "
                              f"got {tuple(x.shape)} {x.dtype}")
-        x = x.contiguous()  # a no-op for the decode step's inputs
-        out = torch.empty(agents, rows, self.out_features, dtype=torch.float32)
-        bias = self.bias
-        self._lib.comlrl_panel_gemm(
-            agents, rows, self.out_features, self.in_features,
-            x.data_ptr(), x.stride(0), x.stride(1),
-            self.packed.data_ptr(), self._agent_floats,
-            None if bias is None else bias.data_ptr(), 0 if bias is None else bias.stride(0),
-            out.data_ptr(), out.stride(0), out.stride(1), self.width)
+        if not x.is_contiguous():  # the decode step's inputs are
+            x = x.contiguous()
+        n = self.out_features
+        out = torch.empty(agents, rows, n, dtype=torch.float32)
+        self._gemm(agents, rows, n, width, x.data_ptr(), rows * width, width, *self._weight_args,
+                   out.data_ptr(), rows * n, n, self.width)
         return out
 
 
