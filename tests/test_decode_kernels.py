@@ -119,12 +119,18 @@ def _reference_attention(query_key, heads, group_size, prefix_keys, prefix_value
 
 
 @needs_kernel
-@pytest.mark.parametrize("steps", [1, 5, 19])
-def test_decode_attention_matches_a_plain_softmax_attention(steps):
-    """Grouped-query heads (4 query heads on 2 KV heads), 3 rows per prompt, left padding masked with
-    -inf (those columns get exactly zero weight), generated columns past `steps` ignored."""
+@pytest.mark.parametrize("heads, kv_heads, dim, width, max_new, steps", [
+    (4, 2, 16, 11, 24, 1), (4, 2, 16, 11, 24, 5), (4, 2, 16, 11, 24, 19),
+    (6, 2, 64, 40, 48, 37),  # 3 query heads per KV head: a pair, then one alone; 32 + 8 and 32 + 5 columns
+    (2, 2, 72, 33, 64, 64),  # one query head per KV head; 64 + 8 outputs per head; 32 + 1 prompt columns
+], ids=["gqa-1", "gqa-5", "gqa-19", "group3-dim64", "mha-dim72"])
+def test_decode_attention_matches_a_plain_softmax_attention(heads, kv_heads, dim, width, max_new, steps):
+    """Grouped-query heads, 3 rows per prompt, left padding masked with -inf (those columns get
+    exactly zero weight), generated columns past `steps` ignored; column counts and head sizes that
+    take every blocking of the kernel (4, 2 and 1 blocks of 8 columns, masked tails, heads in pairs
+    and alone, 32 and 8 outputs at a time)."""
     generator = torch.Generator().manual_seed(steps)
-    heads, kv_heads, dim, group_size, prompts, width, max_new = 4, 2, 16, 3, 2, 11, 24
+    group_size, prompts = 3, 2
     rows = prompts * group_size
     query_key = torch.randn(rows, heads + kv_heads, dim, generator=generator)
     prefix_keys = torch.randn(prompts, kv_heads, dim, width, generator=generator)
