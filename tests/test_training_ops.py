@@ -126,12 +126,13 @@ def test_c_kernels_compute_the_fp32_pieces_as_the_torch_ops_do(piece, monkeypatc
     rounding."""
     generator = torch.Generator().manual_seed(7)
     if piece == "norm_linear":
-        inputs = [torch.randn(37, 256, generator=generator) * 2, 1 + 0.1 * torch.randn(256, generator=generator),
-                  torch.randn(48, 256, generator=generator) * 0.05, torch.randn(24, 256, generator=generator) * 0.05]
+        width = 259  # 32 vectors of 8 and a scalar tail
+        inputs = [torch.randn(37, width, generator=generator) * 2, 1 + 0.1 * torch.randn(width, generator=generator),
+                  torch.randn(48, width, generator=generator) * 0.05, torch.randn(24, width, generator=generator) * 0.05]
         fn = lambda x, w, p, q: training_ops.norm_linear(x, w, 1e-6, [p, q])  # noqa: E731
         kernel = "rms_norm_backward"
     elif piece == "swiglu_linear":
-        inputs = [torch.randn(37, 2 * 96, generator=generator) * 3, torch.randn(64, 96, generator=generator) * 0.05]
+        inputs = [torch.randn(37, 2 * 99, generator=generator) * 3, torch.randn(64, 99, generator=generator) * 0.05]
         fn = training_ops.swiglu_linear
         kernel = "swiglu_backward"
     else:
