@@ -230,6 +230,20 @@ def test_silu_mul_matches_swiglu(n):
 
 
 @needs_kernel
+@pytest.mark.parametrize("n", [512, 11])
+def test_swiglu_backward_gives_the_forward_output_bitwise_and_the_true_gradient(n):
+    generator = torch.Generator().manual_seed(n)
+    gate_up = torch.randn(5, 2 * n, generator=generator) * 4
+    grad_hidden = torch.randn(5, n, generator=generator)
+    hidden, grad_gate_up = decode_kernels.swiglu_backward(gate_up, grad_hidden)
+    assert torch.equal(hidden, decode_kernels.silu_mul(gate_up))  # what the weight gradient sees
+    leaf = gate_up.double().requires_grad_()
+    gate, up = leaf.chunk(2, dim=-1)
+    (torch.nn.functional.silu(gate) * up).backward(grad_hidden.double())
+    torch.testing.assert_close(grad_gate_up.double(), leaf.grad, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
 def test_decode_kernels_and_torch_ops_decode_the_same_tokens(tiny_medium_model_dir, monkeypatch):
     """Sampling with the kernels (projections, attention, norms, SwiGLU) and with torch ops (their fp32 sums
     round differently) gives the same completions; and the kernels are what decodes by default here."""

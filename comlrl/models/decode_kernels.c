@@ -388,20 +388,25 @@ void comlrl_residual_rms_norm(int64_t rows, int64_t dim, float *hidden, const fl
     }
 }
 
-/* out (rows x n) = silu(gate) * up for gate_up (rows x 2n) = [gate | up] per row: SwiGLU,
- * silu(g) = g / (1 + e^-g). */
-void comlrl_silu_mul(int64_t rows, int64_t n, const float *gate_up, float *out) {
+/* sigmoid(g) = 1 / (1 + e^-g), 8 at a time; SwiGLU's forward and backward share it, so the
+ * backward recomputes the forward's output bitwise. */
+static inline __m256 sigmoid8(__m256 g) {
     const __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
+/* out (rows x n) = silu(gate) * up for gate_up (rows x 2n) = [gate | up] per row: SwiGLU,
+ * silu(g) = g sigmoid(g). */
+void comlrl_silu_mul(int64_t rows, int64_t n, const float *gate_up, float *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * n, *up = gate + n;
         float *o = out + r * n;
         int64_t i = 0;
         for (; i + 8 <= n; i += 8) {
             const __m256 g = _mm256_loadu_ps(gate + i);
-            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid8(g)), _mm256_loadu_ps(up + i)));
         }
-        for (; i < n; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        for (; i < n; i++) o[i] = gate[i] * (1.0f / (1.0f + expf(-gate[i]))) * up[i];
     }
 }
 
@@ -441,23 +446,27 @@ void comlrl_rotate_into_cache(int64_t rows, int64_t heads, int64_t kv_heads, int
 
 /* SwiGLU's backward for gate_up (rows x 2n) = [gate | up] per row and the gradient of
  * silu(gate) * up, grad_hidden (rows x n): grad_gate_up (rows x 2n) = [grad_hidden * up *
- * s (1 + gate (1 - s)) | grad_hidden * gate s], s = sigmoid(gate). */
+ * s (1 + gate (1 - s)) | grad_hidden * gate s], s = sigmoid(gate); with `hidden` (not NULL), also
+ * the forward's output silu(gate) * up (rows x n), as comlrl_silu_mul computes it, from the same
+ * pass over gate_up (the weight gradient of the projection after SwiGLU needs it). */
 void comlrl_swiglu_backward(int64_t rows, int64_t n, const float *gate_up, const float *grad_hidden,
-                            float *grad_gate_up) {
+                            float *grad_gate_up, float *hidden) {
     const __m256 one = _mm256_set1_ps(1.0f);
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * n, *up = gate + n, *grad = grad_hidden + r * n;
-        float *grad_gate = grad_gate_up + r * 2 * n, *grad_up = grad_gate + n;
+        float *grad_gate = grad_gate_up + r * 2 * n, *grad_up = grad_gate + n, *h = hidden ? hidden + r * n : 0;
         int64_t i = 0;
         for (; i + 8 <= n; i += 8) {
-            const __m256 g = _mm256_loadu_ps(gate + i), gh = _mm256_loadu_ps(grad + i);
-            const __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-            _mm256_storeu_ps(grad_up + i, _mm256_mul_ps(gh, _mm256_mul_ps(g, s)));
+            const __m256 g = _mm256_loadu_ps(gate + i), gh = _mm256_loadu_ps(grad + i), u = _mm256_loadu_ps(up + i);
+            const __m256 s = sigmoid8(g), silu = _mm256_mul_ps(g, s);
+            if (h) _mm256_storeu_ps(h + i, _mm256_mul_ps(silu, u));
+            _mm256_storeu_ps(grad_up + i, _mm256_mul_ps(gh, silu));
             const __m256 slope = _mm256_mul_ps(s, _mm256_fmadd_ps(g, _mm256_sub_ps(one, s), one));
-            _mm256_storeu_ps(grad_gate + i, _mm256_mul_ps(_mm256_mul_ps(gh, _mm256_loadu_ps(up + i)), slope));
+            _mm256_storeu_ps(grad_gate + i, _mm256_mul_ps(_mm256_mul_ps(gh, u), slope));
         }
         for (; i < n; i++) {
             const float s = 1.0f / (1.0f + expf(-gate[i]));
+            if (h) h[i] = gate[i] * s * up[i];
             grad_up[i] = grad[i] * (gate[i] * s);
             grad_gate[i] = grad[i] * up[i] * (s * (1.0f + gate[i] * (1.0f - s)));
         }

@@ -149,7 +149,7 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_silu_mul.restype = None
     lib.comlrl_rotate_into_cache.argtypes = [i64, i64, i64, i64, pointer, i64, pointer, pointer, pointer, i64, i64]
     lib.comlrl_rotate_into_cache.restype = None
-    lib.comlrl_swiglu_backward.argtypes = [i64, i64, pointer, pointer, pointer]
+    lib.comlrl_swiglu_backward.argtypes = [i64, i64, pointer, pointer, pointer, pointer]
     lib.comlrl_swiglu_backward.restype = None
     lib.comlrl_rms_norm.argtypes = [i64, i64, pointer, pointer, ctypes.c_float, pointer, pointer, pointer]
     lib.comlrl_rms_norm.restype = None
@@ -254,18 +254,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def swiglu_backward(gate_up: torch.Tensor, grad_hidden: torch.Tensor) -> torch.Tensor:
-    """The gradient of `silu_mul(gate_up)` with respect to `gate_up` (fp32, contiguous), given the
-    gradient `grad_hidden` of its output: [grad * up * silu'(gate) | grad * silu(gate)]."""
+def swiglu_backward(gate_up: torch.Tensor, grad_hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(`silu_mul(gate_up)`, bitwise, and the gradient with respect to `gate_up` (fp32, contiguous)
+    given the gradient `grad_hidden` of that output: [grad * up * silu'(gate) | grad * silu(gate)]),
+    from one pass over gate_up."""
     half = gate_up.shape[-1] // 2
     grad_hidden = grad_hidden.contiguous()
     if not gate_up.is_contiguous() or grad_hidden.shape != (*gate_up.shape[:-1], half) \
             or grad_hidden.dtype != torch.float32:
         raise ValueError("decode_kernels.swiglu_backward needs a contiguous [gate | up] and a gradient of half its width")
     grad_gate_up = torch.empty_like(gate_up)
+    hidden = torch.empty_like(grad_hidden)
     library().comlrl_swiglu_backward(gate_up.numel() // gate_up.shape[-1], half, gate_up.data_ptr(),
-                                     grad_hidden.data_ptr(), grad_gate_up.data_ptr())
-    return grad_gate_up
+                                     grad_hidden.data_ptr(), grad_gate_up.data_ptr(), hidden.data_ptr())
+    return hidden, grad_gate_up
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

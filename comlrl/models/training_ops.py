@@ -229,11 +229,17 @@ class _SwiGLULinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate_up, weight, *bias = ctx.saved_tensors
-        if _kernels_take(gate_up):  # SwiGLU's output recomputed, then its gradient in one pass
-            grad_hidden, (grad_w,), grad_bias = _projection_backward(ctx, grad, decode_kernels.silu_mul(gate_up),
-                                                                     [weight], bias, ctx.dtype)
-            grad_gate_up = decode_kernels.swiglu_backward(gate_up, grad_hidden.float())
-            return grad_gate_up, grad_w, (grad_bias or [None])[0], None
+        if _kernels_take(gate_up):
+            # The input gradient first; then one pass over gate_up recomputes SwiGLU's output (as the
+            # forward computed it, bitwise) for the weight gradient and gives gate_up's gradient.
+            joined = joined_weight([weight], ctx.dtype)
+            hidden, grad_gate_up = decode_kernels.swiglu_backward(gate_up, onednn.grad_input(grad, joined).float())
+            grad_w = grad_b = None
+            if ctx.needs_input_grad[1]:
+                (grad_w,) = _split_like(onednn.grad_weight(grad, hidden, joined), [weight])
+            if bias and ctx.needs_input_grad[2]:
+                (grad_b,) = _split_like(grad.sum(dim=0), bias)
+            return grad_gate_up, grad_w, grad_b, None
         gate, up = gate_up.chunk(2, dim=-1)
         silu_gate = F.silu(gate)
         grad_hidden, (grad_w,), grad_bias = _projection_backward(ctx, grad, silu_gate * up, [weight], bias, ctx.dtype)
