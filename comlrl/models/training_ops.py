@@ -22,8 +22,9 @@ the same values, so the logits and gradients are those of the plain composition 
 CPU tensors with one torch thread, the norm's forward and backward, SwiGLU's and the rotary
 embedding's run as C kernels instead (`decode_kernels`: one pass over the rows each, where the
 torch ops make 3-6, SwiGLU's over strided halves of gate_up), equal to the torch ops to float
-rounding; the backward pass recomputes with the same kernel, so it still sees the forward's values
-bitwise. Medium tiny model, one 528-token chunk's forward + backward: ~100 -> ~93 ms (interleaved,
+rounding; the backward pass recomputes the forward's values bitwise (the norm with the same kernel
+and rstd; SwiGLU's output in the same pass over gate_up that gives its gradient, through the same
+sigmoid). Medium tiny model, one 528-token chunk's forward + backward: ~100 -> ~93 ms (interleaved,
 noisy host). The rotary embedding is one complex multiply on pair-adjacent rows, equal to the
 model's to float rounding.
 """
