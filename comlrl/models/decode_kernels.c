@@ -410,6 +410,16 @@ void comlrl_silu_mul(int64_t rows, int64_t n, const float *gate_up, float *out) 
     }
 }
 
+/* One head's rotary pairs (rotary pairs adjacent): pair p = (in[2p], in[2p + 1]) times rot[p] =
+ * (cos, sign * sin) as a complex product, into out (may be in). */
+static inline void rotate_head(const float *in, const float *rot, float sign, int64_t half, float *out) {
+    for (int64_t p = 0; p < half; p++) {
+        const float a = in[2 * p], b = in[2 * p + 1], c = rot[2 * p], s = sign * rot[2 * p + 1];
+        out[2 * p] = a * c - b * s;
+        out[2 * p + 1] = a * s + b * c;
+    }
+}
+
 /* One decode step's rotary embedding and cache write, per row r of qkv (rows x [q heads | k heads
  * | v heads] x dim, row stride ld): every query and key head rotated in place, pair p = (x[2p],
  * x[2p + 1]) times rotation[r][p] = (cos, sin) as a complex product (rotary pairs adjacent); then
@@ -421,14 +431,7 @@ void comlrl_rotate_into_cache(int64_t rows, int64_t heads, int64_t kv_heads, int
     for (int64_t r = 0; r < rows; r++) {
         float *row = qkv + r * ld;
         const float *rot = rotation + r * dim;  /* half (cos, sin) pairs */
-        for (int64_t h = 0; h < heads + kv_heads; h++) {
-            float *x = row + h * dim;
-            for (int64_t p = 0; p < half; p++) {
-                const float a = x[2 * p], b = x[2 * p + 1], c = rot[2 * p], s = rot[2 * p + 1];
-                x[2 * p] = a * c - b * s;
-                x[2 * p + 1] = a * s + b * c;
-            }
-        }
+        for (int64_t h = 0; h < heads + kv_heads; h++) rotate_head(row + h * dim, rot, 1.0f, half, row + h * dim);
         for (int64_t kv = 0; kv < kv_heads; kv++) {
             const float *k = row + (heads + kv) * dim, *v = row + (heads + kv_heads + kv) * dim;
             float *key_column = keys + (r * kv_heads + kv) * dim * max_new + column;
@@ -600,14 +603,7 @@ void comlrl_rotate(int64_t rows, int64_t heads, int64_t dim, const float *x, int
     const float sign = conjugate ? -1.0f : 1.0f;
     for (int64_t r = 0; r < rows; r++) {
         const float *rot = rotation + r * dim;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *in = x + r * x_row_stride + h * dim;
-            float *o = out + (r * heads + h) * dim;
-            for (int64_t p = 0; p < half; p++) {
-                const float a = in[2 * p], b = in[2 * p + 1], c = rot[2 * p], s = sign * rot[2 * p + 1];
-                o[2 * p] = a * c - b * s;
-                o[2 * p + 1] = a * s + b * c;
-            }
-        }
+        for (int64_t h = 0; h < heads; h++)
+            rotate_head(x + r * x_row_stride + h * dim, rot, sign, half, out + (r * heads + h) * dim);
     }
 }

@@ -168,6 +168,8 @@ class StackedLeanDecoder:
                 down=_AgentProjections([layer.down for layer in layers]),
                 eps=layers[0].eps,
             ))
+        # Each layer's output goes through the next layer's input norm, the last one's the final norm.
+        self._eps_after = [layer.eps for layer in self.layers[1:]] + [self.final_eps]
 
     def _cache(self, prefix_keys, prefix_values, group_size: int, max_new_tokens: int) -> "_DecodeCache":
         """The decode cache around the prompts' keys and values: room for every row's generated tokens.
@@ -204,8 +206,7 @@ class StackedLeanDecoder:
         scale = dim ** -0.5
         prefix_keys, prefix_values = [], []
         x = self._add_normalize(hidden, None, self.layers[0].eps)
-        for index, layer in enumerate(self.layers):
-            next_eps = self.layers[index + 1].eps if index + 1 < len(self.layers) else self.final_eps
+        for layer, next_eps in zip(self.layers, self._eps_after):
             qkv = layer.qkv(_cast(x, low)).view(total_prompts, width, -1)
             query_key, value = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             query_key = training_ops.rotate_pairs(query_key.view(total_prompts, width, self.num_heads + kv, dim), rotation)
@@ -273,8 +274,7 @@ class StackedLeanDecoder:
         scale = self.head_dim ** -0.5
         low = self.compute_dtype
         x = self._add_normalize(hidden, None, self.layers[0].eps)
-        for index, layer in enumerate(self.layers):
-            next_eps = self.layers[index + 1].eps if index + 1 < len(self.layers) else self.final_eps
+        for index, (layer, next_eps) in enumerate(zip(self.layers, self._eps_after)):
             qkv = layer.qkv(_cast(x, low)).view(total, -1)
             keys, values = cache.keys[index], cache.values[index]
             if self.kernel_elementwise and self.kernel_attention and not fixed_shape:

@@ -83,10 +83,9 @@ class _Rotary(torch.autograd.Function):
 def _rotate_by_kernel(x: torch.Tensor, rotation: torch.Tensor, conjugate: bool) -> Optional[torch.Tensor]:
     """The rotation as one C call on 3-D fp32 CPU tensors (`decode_kernels.rotate`: the complex
     product's views and casts cost more than the arithmetic); None where the kernels do not take it."""
-    if x.dim() != 3 or rotation.dim() != 3 or not decode_kernels.runs(x):
+    if x.dim() != 3 or not decode_kernels.runs(x):
         return None
-    return decode_kernels.rotate(x, rotation.expand(x.shape[0], 1, -1) if rotation.shape[0] == 1 else rotation,
-                                 conjugate)
+    return decode_kernels.rotate(x, rotation, conjugate)  # None for a rotation it does not take (broadcast)
 
 
 def rotary(x: torch.Tensor, rotation: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -132,7 +131,12 @@ def _projection_backward(ctx, grad: torch.Tensor, x: torch.Tensor, weight_parts,
     """(grad of the projection's input, grads of its weight parts, grads of its bias parts) for
     y = x W^T + b, W and b joined from their parts in `dtype`."""
     weight = joined_weight(weight_parts, dtype)
-    grad_x = onednn.grad_input(grad, weight)
+    return (onednn.grad_input(grad, weight), *_parameter_grads(ctx, grad, x, weight, weight_parts, bias_parts))
+
+
+def _parameter_grads(ctx, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_parts, bias_parts):
+    """(grads of the weight parts, grads of the bias parts) of y = x W^T + b, `weight` the joined W;
+    None for the parts autograd does not want."""
     first = ctx.weights_at
     grad_weights = [None] * len(weight_parts)
     if any(ctx.needs_input_grad[first:first + len(weight_parts)]):
@@ -140,7 +144,7 @@ def _projection_backward(ctx, grad: torch.Tensor, x: torch.Tensor, weight_parts,
     grad_biases = [None] * len(bias_parts)
     if bias_parts and any(ctx.needs_input_grad[first + len(weight_parts):]):
         grad_biases = _split_like(grad.sum(dim=0), bias_parts)
-    return grad_x, grad_weights, grad_biases
+    return grad_weights, grad_biases
 
 
 def _project(x: torch.Tensor, weight_parts, bias_parts, dtype) -> torch.Tensor:
@@ -235,12 +239,8 @@ class _SwiGLULinear(torch.autograd.Function):
             # forward computed it, bitwise) for the weight gradient and gives gate_up's gradient.
             joined = joined_weight([weight], ctx.dtype)
             hidden, grad_gate_up = decode_kernels.swiglu_backward(gate_up, onednn.grad_input(grad, joined).float())
-            grad_w = grad_b = None
-            if ctx.needs_input_grad[1]:
-                (grad_w,) = _split_like(onednn.grad_weight(grad, hidden, joined), [weight])
-            if bias and ctx.needs_input_grad[2]:
-                (grad_b,) = _split_like(grad.sum(dim=0), bias)
-            return grad_gate_up, grad_w, grad_b, None
+            (grad_w,), grad_bias = _parameter_grads(ctx, grad, hidden, joined, [weight], bias)
+            return grad_gate_up, grad_w, (grad_bias or [None])[0], None
         gate, up = gate_up.chunk(2, dim=-1)
         silu_gate = F.silu(gate)
         grad_hidden, (grad_w,), grad_bias = _projection_backward(ctx, grad, silu_gate * up, [weight], bias, ctx.dtype)
