@@ -15,6 +15,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 
@@ -22,26 +23,26 @@
 #define PREFETCH_ROWS 64 /* panel rows ahead (2 KB): measured best of 16/32/64/128 on an AVX2 EPYC */
 
 /* w: n x k (row stride ldw), out: ceil(n / width) * k * width floats, 64-byte aligned; width is
- * NR (AVX2 kernels) or NR16 (AVX-512 kernels). */
+ * NR (AVX2 kernels) or NR16 (AVX-512 kernels). Each panel is written front to back, reading its
+ * `width` weight rows side by side (one pass of sequential reads and writes; row by row, each
+ * panel line was written `width` times, ~2x slower). */
 void comlrl_pack_panels(const float *w, int64_t n, int64_t k, int64_t ldw, float *out, int64_t width) {
     int64_t panels = (n + width - 1) / width;
     for (int64_t p = 0; p < panels; p++) {
         float *dst = out + p * k * width;
-        for (int64_t j = 0; j < width; j++) {
-            int64_t row = p * width + j;
-            if (row < n) {
-                const float *src = w + row * ldw;
-                for (int64_t i = 0; i < k; i++) dst[i * width + j] = src[i];
-            } else {
-                for (int64_t i = 0; i < k; i++) dst[i * width + j] = 0.0f;
-            }
+        int64_t rows = n - p * width < width ? n - p * width : width;
+        const float *src = w + p * width * ldw;
+        for (int64_t i = 0; i < k; i++, dst += width) {
+            int64_t j = 0;
+            for (; j < rows; j++) dst[j] = src[j * ldw + i];
+            for (; j < width; j++) dst[j] = 0.0f;
         }
     }
 }
 
 /* Row r's 8 sums of one panel live in register c<r>; each input column adds x[r][i] * panel row i. */
 #define ROW_INIT(r) __m256 c##r = _mm256_setzero_ps();
-#define ROW_FMA(r) c##r = _mm256_fmadd_ps(_mm256_broadcast_ss(x + (r) * ldx + i), b, c##r);
+#define ROW_FMA(r) c##r = _mm256_fmadd_ps(_mm256_broadcast_ss(xi + (r)), b, c##r);
 #define ROW_STORE(r) { \
     float *dst = c + (r) * ldc; \
     if (bias) c##r = _mm256_add_ps(c##r, _mm256_loadu_ps(bias)); \
@@ -57,12 +58,12 @@ void comlrl_pack_panels(const float *w, int64_t n, int64_t k, int64_t ldw, float
  * (+ bias), the panel read front to back with a prefetch AHEAD panel rows ahead; SETUP, INIT, FMA
  * and STORE are the family's (b: the panel row in a register). */
 #define PANEL_KERNEL(NAME, ATTR, VEC, LOAD, WIDTH, AHEAD, SETUP, INIT, FMA, STORE) \
-static ATTR void NAME(int64_t k, const float *x, int64_t ldx, const float *panel, const float *bias, \
+static ATTR void NAME(int64_t k, const float *xt, int64_t ldt, const float *panel, const float *bias, \
                       float *c, int64_t ldc, int cols) { \
     SETUP \
     INIT \
     for (int64_t i = 0; i < k; i++) { \
-        const float *row = panel + i * WIDTH; \
+        const float *row = panel + i * WIDTH, *xi = xt + i * ldt; \
         _mm_prefetch((const char *)(row + AHEAD * WIDTH), _MM_HINT_T0); \
         VEC b = LOAD(row); \
         FMA \
@@ -94,7 +95,7 @@ ROW_KERNELS(KERNEL, ROW_INIT, ROW_FMA, ROW_STORE, rows8, rows4, rows3, rows2, ro
 #define PREFETCH_ROWS16 32 /* 2 KB ahead, as above */
 #define AVX512 __attribute__((target("avx512f")))
 #define ROW16_INIT(r) __m512 c##r = _mm512_setzero_ps();
-#define ROW16_FMA(r) c##r = _mm512_fmadd_ps(_mm512_set1_ps(x[(r) * ldx + i]), b, c##r);
+#define ROW16_FMA(r) c##r = _mm512_fmadd_ps(_mm512_set1_ps(xi[r]), b, c##r);
 #define ROW16_STORE(r) { \
     if (bias) c##r = _mm512_add_ps(c##r, _mm512_loadu_ps(bias)); \
     _mm512_mask_storeu_ps(c + (r) * ldc, mask, c##r); }
@@ -104,31 +105,36 @@ ROW_KERNELS(KERNEL, ROW_INIT, ROW_FMA, ROW_STORE, rows8, rows4, rows3, rows2, ro
 KERNEL16(rows16x16, R16(ROW16_INIT), R16(ROW16_FMA), R16(ROW16_STORE))
 ROW_KERNELS(KERNEL16, ROW16_INIT, ROW16_FMA, ROW16_STORE, rows8x16, rows4x16, rows3x16, rows2x16, rows1x16)
 
-/* One family's driver: for each of `batch` (x, packed weight, bias, c), every panel against blocks
- * of BLOCK rows (the family's widest kernel), then 8, 4 and the last 1-3 rows. */
+/* One family's driver: for each of `batch` (x, packed weight, bias, c), x transposed into `xt`
+ * (k x m), then every panel against blocks of BLOCK rows (the family's widest kernel), then 8, 4
+ * and the last 1-3 rows. A kernel reads its rows' inputs for one i from one row of xt, next to each
+ * other: one pointer for all rows (x's 16 row pointers did not fit in registers and were reloaded
+ * from the stack every i) and one cache line per i at 16 rows. */
 #define PANEL_DRIVER(NAME, ATTR, WIDTH, BLOCK, BLOCK_KERNEL, K8, K4, K3, K2, K1) \
 static ATTR void NAME(int64_t batch, int64_t m, int64_t n, int64_t k, \
                       const float *x, int64_t x_batch_stride, int64_t ldx, \
                       const float *packed, int64_t packed_batch_stride, \
                       const float *bias, int64_t bias_batch_stride, \
-                      float *c, int64_t c_batch_stride, int64_t ldc) { \
+                      float *c, int64_t c_batch_stride, int64_t ldc, float *xt) { \
     int64_t panels = (n + WIDTH - 1) / WIDTH; \
     for (int64_t a = 0; a < batch; a++) { \
         const float *xa = x + a * x_batch_stride, *wa = packed + a * packed_batch_stride; \
         const float *ba = bias ? bias + a * bias_batch_stride : 0; \
         float *ca = c + a * c_batch_stride; \
+        for (int64_t r = 0; r < m; r++) \
+            for (int64_t i = 0; i < k; i++) xt[i * m + r] = xa[r * ldx + i]; \
         for (int64_t p = 0; p < panels; p++) { \
             int64_t c0 = p * WIDTH; \
             int cols = n - c0 < WIDTH ? (int)(n - c0) : WIDTH; \
             const float *panel = wa + p * k * WIDTH, *b = ba ? ba + c0 : 0; \
             int64_t r = 0; \
-            for (; r + BLOCK <= m; r += BLOCK) BLOCK_KERNEL(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); \
-            for (; r + 8 <= m; r += 8) K8(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); \
-            for (; r + 4 <= m; r += 4) K4(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); \
+            for (; r + BLOCK <= m; r += BLOCK) BLOCK_KERNEL(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); \
+            for (; r + 8 <= m; r += 8) K8(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); \
+            for (; r + 4 <= m; r += 4) K4(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); \
             switch (m - r) { \
-                case 3: K3(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); break; \
-                case 2: K2(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); break; \
-                case 1: K1(k, xa + r * ldx, ldx, panel, b, ca + r * ldc + c0, ldc, cols); break; \
+                case 3: K3(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); break; \
+                case 2: K2(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); break; \
+                case 1: K1(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); break; \
                 default: break; \
             } \
         } \
@@ -146,8 +152,11 @@ void comlrl_panel_gemm(int64_t batch, int64_t m, int64_t n, int64_t k,
                        const float *packed, int64_t packed_batch_stride,
                        const float *bias, int64_t bias_batch_stride,
                        float *c, int64_t c_batch_stride, int64_t ldc, int64_t width) {
+    float *xt = aligned_alloc(64, (size_t)((m * k * sizeof(float) + 63) / 64 * 64));
+    if (!xt) return;
     (width == NR16 ? panel_gemm16 : panel_gemm8)(batch, m, n, k, x, x_batch_stride, ldx, packed, packed_batch_stride,
-                                                 bias, bias_batch_stride, c, c_batch_stride, ldc);
+                                                 bias, bias_batch_stride, c, c_batch_stride, ldc, xt);
+    free(xt);
 }
 
 /* ------------------------------------------------------------------------------------------------
