@@ -91,6 +91,21 @@ def test_non_contiguous_inputs_and_wrong_shapes():
 
 
 @needs_kernel
+def test_products_into_a_given_output():
+    """`out=` writes into the caller's buffer (the decode step reuses one per projection), bitwise
+    what a fresh output gets; a buffer of the wrong shape or dtype is refused, not overrun."""
+    weights, biases = _weights(2, 40, 24, seed=5)
+    panels = decode_kernels.PanelWeights(weights, biases)
+    x = torch.randn(2, 6, 24, generator=torch.Generator().manual_seed(6))
+    out = torch.full((2, 6, 40), float("nan"))
+    assert panels(x, out) is out
+    assert torch.equal(out, panels(x))
+    for wrong in (torch.empty(2, 6, 41), torch.empty(2, 6, 40, dtype=torch.float64), torch.empty(2, 40, 6).transpose(1, 2)):
+        with pytest.raises(ValueError, match="output must be"):
+            panels(x, wrong)
+
+
+@needs_kernel
 def test_the_library_is_built_once_per_machine_and_a_missing_compiler_falls_back(tmp_path, monkeypatch, caplog):
     first = decode_kernels.build(tmp_path)
     assert first is not None and first.exists()

@@ -33,12 +33,16 @@ MODELS = [tiny(Qwen2Config), tiny(LlamaConfig), tiny(LlamaConfig, num_key_value_
 MODEL_IDS = ["qwen2-gqa", "llama-gqa", "llama-mha", "llama-biases", "mistral"]
 
 
-def _lean_and_reference_logits(model, compute_dtype=None, attention_dtype=None):
-    """(lean logits, model logits) of 3-token continuations of a left-padded 2-prompt batch, two
-    samples per prompt (so the samples share their prompt's cache), the model's forward run on the
-    full sequences under autocast to `compute_dtype` as the trainer runs it."""
-    prompt = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])  # row 0 left-padded
-    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+LEFT_PADDED_PROMPTS = (torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]]),  # row 0 left-padded
+                       torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]))
+
+
+def _lean_and_reference_logits(model, compute_dtype=None, attention_dtype=None, prompts=LEFT_PADDED_PROMPTS):
+    """(lean logits, model logits) of 3-token continuations of a 2-prompt batch (by default
+    left-padded), two samples per prompt (so the samples share their prompt's cache), the model's
+    forward run on the full sequences under autocast to `compute_dtype` as the trainer runs it."""
+    prompt, prompt_mask = prompts
+    width = prompt.shape[1]
     continuation = torch.tensor([[11, 12, 13], [14, 15, 16], [21, 22, 23], [24, 25, 26]])  # (prompt, sample)
     lean = lean_decoder_for(model, compute_dtype, attention_dtype)
     assert lean is not None
@@ -46,12 +50,12 @@ def _lean_and_reference_logits(model, compute_dtype=None, attention_dtype=None):
         full_ids = torch.cat([prompt.repeat_interleave(2, dim=0), continuation], 1)
         full_mask = torch.cat([prompt_mask.repeat_interleave(2, dim=0), torch.ones(4, 3, dtype=torch.long)], 1)
         full_positions = (full_mask.cumsum(1) - 1).clamp(min=0)
-        reference = model(input_ids=full_ids, attention_mask=full_mask, position_ids=full_positions).logits[:, 5:]
+        reference = model(input_ids=full_ids, attention_mask=full_mask, position_ids=full_positions).logits[:, width:]
     with torch.no_grad():
         decoder = StackedLeanDecoder([lean])
         _, buffers = decoder.prefill(prompt, prompt_mask, 2, 3)
         bias = decoder.attention_bias(full_mask)
-        rotation = decoder.rotary_table(full_positions[:, 5:])
+        rotation = decoder.rotary_table(full_positions[:, width:])
         steps = [decoder.step(continuation[:, t], rotation[:, t], buffers, t, bias) for t in range(3)]
     return torch.stack(steps, dim=1).float(), reference.float()
 
@@ -59,6 +63,16 @@ def _lean_and_reference_logits(model, compute_dtype=None, attention_dtype=None):
 @pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
 def test_lean_steps_match_the_model_forward_with_left_padding(model):
     lean, reference = _lean_and_reference_logits(model)
+    assert torch.allclose(lean, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model", MODELS[:2], ids=MODEL_IDS[:2])
+def test_steps_whose_rows_match_the_prefill_rows_still_read_the_prompt_cache(model):
+    """Two 2-token prompts, two samples each: the prefill's projections see as many rows as each
+    step's, so a step reuses the buffers the prefill wrote its projections into (where the decode
+    kernels run); the prompt's cached keys and values must not live in them."""
+    prompts = (torch.tensor([[5, 6], [1, 2]]), torch.ones(2, 2, dtype=torch.long))
+    lean, reference = _lean_and_reference_logits(model, prompts=prompts)
     assert torch.allclose(lean, reference, atol=1e-5, rtol=1e-5)
 
 

@@ -359,7 +359,9 @@ class PanelWeights:
                              None if self.bias is None else self.bias.data_ptr(),
                              0 if self.bias is None else self.bias.stride(0))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`x` (A, rows, in) through each agent's weight, into `out` (A, rows, out_features, fp32,
+        contiguous) when given, else into a new tensor."""
         agents, rows, width = x.shape
         if agents != self.count or width != self.in_features or x.dtype != torch.float32:
             raise ValueError(f"PanelWeights for {self.count} agents x {self.in_features} inputs (float32) "
@@ -367,7 +369,11 @@ class PanelWeights:
         if not x.is_contiguous():  # the decode step's inputs are
             x = x.contiguous()
         n = self.out_features
-        out = torch.empty(agents, rows, n, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(agents, rows, n, dtype=torch.float32)
+        elif out.shape != (agents, rows, n) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"PanelWeights output must be a contiguous float32 {(agents, rows, n)} tensor, "
+                             f"got {tuple(out.shape)} {out.dtype}")
         self._gemm(agents, rows, n, width, x.data_ptr(), rows * width, width, *self._weight_args,
                    out.data_ptr(), rows * n, n, self.width)
         return out
