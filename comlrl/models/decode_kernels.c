@@ -146,17 +146,20 @@ PANEL_DRIVER(panel_gemm16, AVX512, NR16, 16, rows16x16, rows8x16, rows4x16, rows
 
 /* c (m x n, row stride ldc) = x (m x k, row stride ldx) times the weight packed `width` wide, plus
  * bias (padded to whole panels; NULL for none), for each of `batch` (x, packed weight, bias, c).
- * Width NR16 runs the AVX-512 kernels, which the caller has checked the CPU runs; NR the AVX2 ones. */
-void comlrl_panel_gemm(int64_t batch, int64_t m, int64_t n, int64_t k,
+ * Width NR16 runs the AVX-512 kernels, which the caller has checked the CPU runs; NR the AVX2 ones.
+ * Returns 0, or -1 (c untouched) when the transposed copy of x cannot be allocated. */
+int comlrl_panel_gemm(int64_t batch, int64_t m, int64_t n, int64_t k,
                        const float *x, int64_t x_batch_stride, int64_t ldx,
                        const float *packed, int64_t packed_batch_stride,
                        const float *bias, int64_t bias_batch_stride,
                        float *c, int64_t c_batch_stride, int64_t ldc, int64_t width) {
-    float *xt = aligned_alloc(64, (size_t)((m * k * sizeof(float) + 63) / 64 * 64));
-    if (!xt) return;
+    size_t bytes = ((size_t)(m * k) * sizeof(float) + 63) / 64 * 64;  /* aligned_alloc wants a multiple */
+    float *xt = aligned_alloc(64, bytes ? bytes : 64);
+    if (!xt) return -1;
     (width == NR16 ? panel_gemm16 : panel_gemm8)(batch, m, n, k, x, x_batch_stride, ldx, packed, packed_batch_stride,
                                                  bias, bias_batch_stride, c, c_batch_stride, ldc, xt);
     free(xt);
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_pack_panels.restype = None
     lib.comlrl_panel_gemm.argtypes = [i64, i64, i64, i64, pointer, i64, i64, pointer, i64, pointer, i64,
                                       pointer, i64, i64, i64]
-    lib.comlrl_panel_gemm.restype = None
+    lib.comlrl_panel_gemm.restype = ctypes.c_int
     lib.comlrl_decode_attention.argtypes = [i64, i64, i64, i64, i64, pointer, i64, pointer, pointer, i64, pointer,
                                             pointer, i64, i64, pointer, i64, ctypes.c_float, pointer, pointer]
     lib.comlrl_decode_attention.restype = None
@@ -338,7 +338,6 @@ class PanelWeights:
         self.width = width or PANEL_WIDTH
         if self.width not in PANEL_WIDTHS:
             raise ValueError(f"panel width {self.width}: this CPU runs {PANEL_WIDTHS}")
-        self._lib = lib
         self.count = len(weights)
         self.out_features, self.in_features = weights[0].shape
         panels = -(-self.out_features // self.width)
@@ -374,8 +373,9 @@ class PanelWeights:
         elif out.shape != (agents, rows, n) or out.dtype != torch.float32 or not out.is_contiguous():
             raise ValueError(f"PanelWeights output must be a contiguous float32 {(agents, rows, n)} tensor, "
                              f"got {tuple(out.shape)} {out.dtype}")
-        self._gemm(agents, rows, n, width, x.data_ptr(), rows * width, width, *self._weight_args,
-                   out.data_ptr(), rows * n, n, self.width)
+        if self._gemm(agents, rows, n, width, x.data_ptr(), rows * width, width, *self._weight_args,
+                      out.data_ptr(), rows * n, n, self.width):
+            raise MemoryError(f"decode_kernels: no memory for a {rows} x {width} copy of the projection's input")
         return out
 
 

@@ -302,8 +302,8 @@ class StackedLeanDecoder:
         return self.lm_head(_cast(x, low)).view(total, -1)
 
     def _add_normalize(self, hidden: torch.Tensor, delta: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-        """`step`'s residual add and the norm after it: `hidden += delta` in place (a step's hidden
-        state is its own tensor), then `_normalize(hidden)`; one C call where the kernels run."""
+        """The residual add and the norm after it (prefill and step): `hidden += delta` in place (their
+        hidden state is their own tensor), then `_normalize(hidden)`; one C call where the kernels run."""
         if self.kernel_elementwise:
             return decode_kernels.residual_rms_norm(hidden, delta, eps)
         if delta is not None:
@@ -524,10 +524,11 @@ class _AgentProjections:
 
     def __init__(self, projections: List[onednn.PackedLinear], reuse_output: bool = False):
         self.packed = all(p.packed for p in projections)
-        # With `reuse_output`, the panel kernel writes each call into one buffer per row count,
-        # overwritten by the next call: for the layers' projections, whose outputs a decode step
-        # consumes before the same projection runs again (not the LM head's logits, which the
-        # step returns). A fresh (A, rows, out) tensor per call cost ~15 us of a ~70 us call.
+        # With `reuse_output`, the panel kernel writes every call into one buffer (replaced when the
+        # row count changes, e.g. from the prefill's to the steps'), overwritten by the next call:
+        # for the layers' projections, whose outputs the prefill and each decode step consume before
+        # the same projection runs again (not the LM head's logits, which they return). A fresh
+        # (A, rows, out) tensor per call cost ~15 us of a ~70 us call.
         self._reuse_output = reuse_output
         self._output: Optional[torch.Tensor] = None
         if self.packed:
