@@ -105,6 +105,7 @@ def shared_prompt_token_logprobs(
     completion_mask_: torch.Tensor,
     group_size: int,
     compute_dtype: Optional[torch.dtype] = None,
+    replayed=None,
 ) -> torch.Tensor:
     """Log-probs (rows, T) of each completion token, for groups of `group_size` completions that
     share one prompt (completion rows are group-major; `prompt_ids` has one left-padded row per group).
@@ -120,8 +121,10 @@ def shared_prompt_token_logprobs(
     Llama-family models on the CPU run the lean forward (`comlrl.models.lean.shared_prompt_logits`);
     others run the transformers forward twice (prompt with a cache, then the completions). With
     `compute_dtype` the matrix products run in that dtype (autocast for the transformers forward).
+    `replayed` (`ProjectionRecord.replayed`) gives the lean forward its layers' projections from the
+    sampling pass that made these completions with these parameters.
     """
-    logits = shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, group_size, compute_dtype)
+    logits = shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, group_size, compute_dtype, replayed)
     if logits is None:
         device = prompt_ids.device
         with training_attention(model, device, compute_dtype), autocast(device, compute_dtype):

@@ -24,7 +24,8 @@ from transformers import DynamicCache
 from comlrl.losses import bucketed_width, completion_mask
 from comlrl.models import decode_kernels
 from comlrl.models.lean import cache_argument as lean_cache_argument
-from comlrl.models.lean import StackedLeanDecoder, fuse_decoding, fusion_signature, lean_decoder_for
+from comlrl.models.lean import (ProjectionRecord, StackedLeanDecoder, _StackedRecord, fuse_decoding, fusion_signature,
+                                lean_decoder_for)
 from comlrl.precision import autocast
 
 JOINT_MODES = ("aligned", "cross")
@@ -49,6 +50,9 @@ class AgentSamples:
     completion_ids: torch.Tensor  # (B*K, T)
     completion_mask: torch.Tensor  # (B*K, T) bool: trained tokens
     texts: List[str]  # (B*K)
+    # The sampling pass's layer projections, for the policy-gradient pass to reuse while the
+    # parameters are unchanged (`lean.ProjectionRecord`); None where sampling did not record them.
+    recorded: Optional[ProjectionRecord] = None
 
     @property
     def completion_lengths(self) -> torch.Tensor:
@@ -178,7 +182,8 @@ def _model_prefill(model, batch: _PromptBatch, compute_dtype):
     return logits, cache
 
 
-def _finish(tokenizer, batch: _PromptBatch, generated: torch.Tensor) -> AgentSamples:
+def _finish(tokenizer, batch: _PromptBatch, generated: torch.Tensor,
+            recorded: Optional[ProjectionRecord] = None) -> AgentSamples:
     """AgentSamples from one agent's generated columns, cut after its longest completion."""
     mask = completion_mask(generated, batch.eos_ids)
     lengths = mask.sum(dim=1)
@@ -186,12 +191,13 @@ def _finish(tokenizer, batch: _PromptBatch, generated: torch.Tensor) -> AgentSam
     completion_ids, mask = generated[:, :steps], mask[:, :steps]
     texts = tokenizer.batch_decode(
         [row[: int(n)] for row, n in zip(completion_ids.tolist(), lengths.tolist())], skip_special_tokens=True)
-    return AgentSamples(batch.prompts, batch.prompt_ids, batch.prompt_mask, completion_ids, mask, texts)
+    return AgentSamples(batch.prompts, batch.prompt_ids, batch.prompt_mask, completion_ids, mask, texts, recorded)
 
 
 @torch.inference_mode()
 def sample_agents(models: Sequence, tokenizers: Sequence, prompts: Sequence[Sequence[str]], settings: SamplingSettings,
-                  keys: Sequence[Sequence[Tuple]], compute_dtypes: Sequence[Optional[torch.dtype]]) -> List[AgentSamples]:
+                  keys: Sequence[Sequence[Tuple]], compute_dtypes: Sequence[Optional[torch.dtype]],
+                  record_projections: bool = False) -> List[AgentSamples]:
     """Every agent's K completions for its prompts (one list per agent, same length), batched.
 
     Small agents (`fuse_decoding`) that share an architecture (every shape, dtype and rotary
@@ -217,7 +223,7 @@ def sample_agents(models: Sequence, tokenizers: Sequence, prompts: Sequence[Sequ
             leans[i] = None  # let the group's decode free its weight snapshots once stacked
         samples = _sample_group([models[i] for i in members], [tokenizers[i] for i in members],
                                 [prompts[i] for i in members], settings, [keys[i] for i in members],
-                                compute_dtypes[members[0]], member_leans)
+                                compute_dtypes[members[0]], member_leans, record_projections)
         for i, agent_samples in zip(members, samples):
             results[i] = agent_samples
     return results
@@ -225,7 +231,8 @@ def sample_agents(models: Sequence, tokenizers: Sequence, prompts: Sequence[Sequ
 
 @torch.inference_mode()
 def sample_completions(model, tokenizer, prompts: Sequence[str], settings: SamplingSettings,
-                       keys: Sequence[Tuple], compute_dtype: Optional[torch.dtype] = None) -> AgentSamples:
+                       keys: Sequence[Tuple], compute_dtype: Optional[torch.dtype] = None,
+                       record_projections: bool = False) -> AgentSamples:
     """Sample K completions for every prompt in one batched decode (left padding, KV cache).
 
     Row r = (prompt b, sample k) draws its tokens from uniforms seeded by ``(keys[b], k)``, so the
@@ -235,10 +242,11 @@ def sample_completions(model, tokenizer, prompts: Sequence[str], settings: Sampl
     With `compute_dtype` (mixed precision) the model's products run in that dtype (autocast).
     """
     lean = lean_decoder_for(model, compute_dtype) if prompts else None
-    return _sample_group([model], [tokenizer], [prompts], settings, [keys], compute_dtype, [lean])[0]
+    return _sample_group([model], [tokenizer], [prompts], settings, [keys], compute_dtype, [lean], record_projections)[0]
 
 
-def _sample_group(models, tokenizers, prompts, settings: SamplingSettings, keys, compute_dtype, leans) -> List[AgentSamples]:
+def _sample_group(models, tokenizers, prompts, settings: SamplingSettings, keys, compute_dtype, leans,
+                  record_projections: bool = False) -> List[AgentSamples]:
     """One batched decode for a group of agents (one agent, or several that `sample_agents` found
     fusable: then every one has a lean decoder and the same number of prompts)."""
     device = next(models[0].parameters()).device
@@ -258,26 +266,33 @@ def _sample_group(models, tokenizers, prompts, settings: SamplingSettings, keys,
     try:
         batches = [_prompt_batch(p, ids.to(device), mask.to(device), settings, key, eos, pad)
                   for p, (ids, mask), key, eos, pad in zip(prompts, encoded, keys, eos_ids, pad_ids)]
-        generated = _decode(models[0], batches, settings, compute_dtype, leans, width)
+        generated, records = _decode(models[0], batches, settings, compute_dtype, leans, width, record_projections)
     finally:
         for model, training in zip(models, was_training):
             model.train(training)
     rows = batches[0].positions.shape[0]
-    return [_finish(t, s, generated[i * rows:(i + 1) * rows]) for i, (t, s) in enumerate(zip(tokenizers, batches))]
+    return [_finish(t, s, generated[i * rows:(i + 1) * rows], None if records is None else records[i])
+            for i, (t, s) in enumerate(zip(tokenizers, batches))]
 
 
-def _decode(model, batches: List[_PromptBatch], settings: SamplingSettings, compute_dtype, leans, width: int) -> torch.Tensor:
+def _decode(model, batches: List[_PromptBatch], settings: SamplingSettings, compute_dtype, leans, width: int,
+            record_projections: bool = False) -> Tuple[torch.Tensor, Optional[List[ProjectionRecord]]]:
     """Prefill and decode every row of every agent's batch to EOS or max_new_tokens; returns the
-    (rows, steps) tokens, agent-major. The batches go through one StackedLeanDecoder, or (one
-    batch) through the model's own forward where the architecture has no lean decoder."""
+    (rows, steps) tokens, agent-major, and with `record_projections`, where the decoder can
+    record them, each agent's ProjectionRecord (else None). The batches go through one
+    StackedLeanDecoder, or (one batch) through the model's own forward where the architecture has
+    no lean decoder."""
     device = batches[0].prompt_ids.device
     max_new, k = settings.max_new_tokens, settings.num_generations
-    decoder = None
+    decoder, record = None, None
     if leans[0] is not None:
         decoder = StackedLeanDecoder(leans)
         del leans[:]  # the stacked copies now hold what decoding needs
+        prompts = batches[0].prompt_ids.shape[0]
+        if record_projections and decoder.can_record and not use_cuda_graphs(device, max_new):
+            record = _StackedRecord(decoder, prompts * width, prompts * k, max_new)
         logits, cache = decoder.prefill(torch.cat([s.prompt_ids for s in batches]),
-                                        torch.cat([s.prompt_mask for s in batches]), k, max_new)
+                                        torch.cat([s.prompt_mask for s in batches]), k, max_new, record)
     else:
         logits, cache = _model_prefill(model, batches[0], compute_dtype)
         cache.batch_repeat_interleave(k)  # the model's forward wants one cache row per row
@@ -297,7 +312,7 @@ def _decode(model, batches: List[_PromptBatch], settings: SamplingSettings, comp
         rotations = decoder.rotary_table(positions + torch.arange(1, max_new + 1, device=device)).transpose(0, 1).contiguous()
         if use_cuda_graphs(device, max_new):
             return _graphed_decode(decoder, cache, logits, uniforms, bias, rotations, is_eos, pad_id, settings,
-                                  capture=device.type == "cuda")
+                                  capture=device.type == "cuda"), None
     columns = []  # each step's tokens, stacked at the end (cheaper than a strided write per step)
     for t in range(max_new):
         tokens = draw_tokens(logits, uniforms[t], settings).masked_fill_(finished, pad_id)
@@ -306,14 +321,14 @@ def _decode(model, batches: List[_PromptBatch], settings: SamplingSettings, comp
         if t + 1 == max_new or bool(finished.all()):
             break
         if decoder is not None:
-            logits = decoder.step(tokens, rotations[t], cache, t, bias).float()
+            logits = decoder.step(tokens, rotations[t], cache, t, bias, record).float()
         else:
             positions = positions + 1
             with autocast(device, compute_dtype):
                 logits = model(input_ids=tokens.unsqueeze(1), attention_mask=attention[:, : width + t + 1],
                                position_ids=positions, use_cache=True, logits_to_keep=1,
                                **{lean_cache_argument(model): cache}).logits[:, -1, :].float()
-    return torch.stack(columns, dim=1)
+    return torch.stack(columns, dim=1), None if record is None else record.split(prompts, k)
 
 
 def _eos_table(eos: torch.Tensor, vocab: int, pad_id: int) -> torch.Tensor:

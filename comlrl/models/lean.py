@@ -21,8 +21,11 @@ step.
 
 from __future__ import annotations
 
+import functools
+import os
+import threading
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -168,6 +171,10 @@ class StackedLeanDecoder:
                 down=_AgentProjections([layer.down for layer in layers], reuse_output=True),
                 eps=layers[0].eps,
             ))
+        # Projection records (`ProjectionRecord`) need the panel kernel's outputs and the step's
+        # in-place rotation, i.e. the whole step in fp32 C kernels.
+        self.can_record = self.kernel_elementwise and self.kernel_attention and all(
+            getattr(p, "panels", None) is not None for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
         # Each layer's output goes through the next layer's input norm, the last one's the final norm.
         self._eps_after = [layer.eps for layer in self.layers[1:]] + [self.final_eps]
 
@@ -184,7 +191,7 @@ class StackedLeanDecoder:
         return _DecodeCache(prefix_keys, prefix_values, keys, values, group_size)
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
-                max_new_tokens: int) -> Tuple[torch.Tensor, "_DecodeCache"]:
+                max_new_tokens: int, record: Optional["_StackedRecord"] = None) -> Tuple[torch.Tensor, "_DecodeCache"]:
         """Run every agent's prompts through its layers at once: (logits predicting each prompt's
         next token (agents * prompts, vocab), the decode cache). `prompt_ids`, `prompt_mask`:
         (agents * prompts, width), agent-major, left-padded; positions follow the mask.
@@ -192,7 +199,8 @@ class StackedLeanDecoder:
         The prompts' keys and values are written straight into the cache's shared prefix (see
         `_DecodeCache`), and only each prompt's last position reaches the LM head. Replaces the
         model's own forward for the prefill, whose per-module overhead cost more than the
-        arithmetic at RL prompt sizes (medium tiny model, 2 agents x 2 prompts: ~8 ms per agent)."""
+        arithmetic at RL prompt sizes (medium tiny model, 2 agents x 2 prompts: ~8 ms per agent).
+        With `record`, the layers' projections write into it (see `ProjectionRecord`)."""
         total_prompts, width = prompt_ids.shape
         prompts = total_prompts // self.count
         tokens = total_prompts * width
@@ -206,19 +214,23 @@ class StackedLeanDecoder:
         scale = dim ** -0.5
         prefix_keys, prefix_values = [], []
         x = self._add_normalize(hidden, None, self.layers[0].eps)
-        for layer, next_eps in zip(self.layers, self._eps_after):
-            qkv = layer.qkv(_cast(x, low)).view(total_prompts, width, -1)
+        for index, (layer, next_eps) in enumerate(zip(self.layers, self._eps_after)):
+            outs = (None,) * 4 if record is None else record.prompt[index]
+            qkv = layer.qkv(_cast(x, low), outs[0]).view(total_prompts, width, -1)
             query_key, value = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             query_key = training_ops.rotate_pairs(query_key.view(total_prompts, width, self.num_heads + kv, dim), rotation)
+            if record is not None:  # the record keeps queries and keys rotated, as a decode step leaves them
+                qkv[..., : self.q_size + self.kv_size] = query_key.view(total_prompts, width, -1)
             query, key = query_key.to(att).split([self.num_heads, kv], dim=2)
             key = key.permute(0, 2, 3, 1).contiguous()  # (agents * prompts, kv, D, W): the cache's layout
             value = value.view(total_prompts, width, kv, dim).transpose(1, 2).to(att).contiguous()
             prefix_keys.append(key)
             prefix_values.append(value)
             attended = _prompt_attention(query.reshape(total_prompts, width, kv, group, dim), key, value, bias, scale, att)
-            x = self._add_normalize(hidden, layer.o(attended.reshape(self.count, prompts * width, self.q_size).to(low)),
-                                    layer.eps)
-            x = self._add_normalize(hidden, layer.down(self._swiglu(layer.gate_up(_cast(x, low)))), next_eps)
+            x = self._add_normalize(hidden, layer.o(attended.reshape(self.count, prompts * width, self.q_size).to(low),
+                                                    outs[1]), layer.eps)
+            x = self._add_normalize(hidden, layer.down(self._swiglu(layer.gate_up(_cast(x, low), outs[2])), outs[3]),
+                                    next_eps)
         last = x.view(self.count, prompts, width, -1)[:, :, -1]  # (agents, prompts, hidden), final-normed
         logits = self.lm_head(_cast(last, low).contiguous()).view(total_prompts, -1)
         return logits, self._cache(prefix_keys, prefix_values, group_size, max_new_tokens)
@@ -242,7 +254,8 @@ class StackedLeanDecoder:
         return self._token_offsets
 
     def step(self, tokens: torch.Tensor, rotation: torch.Tensor, cache: "_DecodeCache",
-             steps_done: Union[int, torch.Tensor], attention_bias: torch.Tensor) -> torch.Tensor:
+             steps_done: Union[int, torch.Tensor], attention_bias: torch.Tensor,
+             record: Optional["_StackedRecord"] = None) -> torch.Tensor:
         """Logits (agents * rows, vocab) for `tokens` (agents * rows,), agent-major, whose rotations
         are a (rows, 1, head_dim / 2) slice of `rotary_table`; writes their K/V at column
         `steps_done` of the generated part of the cache. `attention_bias` (from `attention_bias`, over
@@ -263,7 +276,8 @@ class StackedLeanDecoder:
         matmul attention 3.0 ms, this ~2.2 ms. With an fp32 cache on the CPU the same attention runs as
         one C call per layer (`decode_kernels.attention`), in place of ~40 small torch ops; where the
         whole step is fp32 there, so do the rotary embedding with the K/V write, each residual add
-        with the norm after it, and SwiGLU."""
+        with the norm after it, and SwiGLU. With `record` (only there, with an int `steps_done`),
+        the layers' projections write into it (see `ProjectionRecord`)."""
         total = tokens.shape[0]
         rows = total // self.count
         width = cache.prefix_keys[0].shape[-1]
@@ -275,7 +289,8 @@ class StackedLeanDecoder:
         low = self.compute_dtype
         x = self._add_normalize(hidden, None, self.layers[0].eps)
         for index, (layer, next_eps) in enumerate(zip(self.layers, self._eps_after)):
-            qkv = layer.qkv(_cast(x, low)).view(total, -1)
+            outs = (None,) * 4 if record is None else [None if b is None else b[steps_done] for b in record.steps[index]]
+            qkv = layer.qkv(_cast(x, low), outs[0]).view(total, -1)
             keys, values = cache.keys[index], cache.values[index]
             if self.kernel_elementwise and self.kernel_attention and not fixed_shape:
                 query_key = decode_kernels.rotate_into_cache(qkv, rotation, self.num_heads, keys, values, steps_done)
@@ -297,8 +312,10 @@ class StackedLeanDecoder:
                                                     attention_bias, scale)
             else:
                 attended = self._attention(query_key, cache, index, columns, bias, scale)
-            x = self._add_normalize(hidden, layer.o(_cast(attended.view(self.count, rows, self.q_size), low)), layer.eps)
-            x = self._add_normalize(hidden, layer.down(self._swiglu(layer.gate_up(_cast(x, low)))), next_eps)
+            x = self._add_normalize(hidden, layer.o(_cast(attended.view(self.count, rows, self.q_size), low), outs[1]),
+                                    layer.eps)
+            x = self._add_normalize(hidden, layer.down(self._swiglu(layer.gate_up(_cast(x, low), outs[2])), outs[3]),
+                                    next_eps)
         return self.lm_head(_cast(x, low)).view(total, -1)
 
     def _add_normalize(self, hidden: torch.Tensor, delta: Optional[torch.Tensor], eps: float) -> torch.Tensor:
@@ -359,6 +376,119 @@ class _DecodeCache:
     group_size: int
 
 
+#: Whether sampling records projections for the policy-gradient pass to reuse (`ProjectionRecord`);
+#: COMLRL_REUSE_SAMPLING_PROJECTIONS=0 turns it off (the loss forward then multiplies again).
+REUSE_SAMPLING_PROJECTIONS = os.environ.get("COMLRL_REUSE_SAMPLING_PROJECTIONS", "1") != "0"
+
+#: A layer's projections, in the order `ProjectionRecord` and `training_ops.Replayed` lists use.
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+#: The projections sampling records. Each recorded one costs memory from the sampling call to the
+#: update (the S-medium benchmark's peak RSS: 583 MB recording none, 596 MB QKV and down, 607 MB
+#: gate/up and down, 620 MB all four, against CoMLRL's 614 MB) and saves its product in the loss
+#: forward: QKV and down save 44% of the forward's multiply-adds in 37% of the record's bytes
+#: (down has twice the inputs per output of the others).
+RECORDED_PROJECTIONS = ("qkv", "down")
+
+
+class ProjectionRecord:
+    """One agent's layer projections as a sampling call computed them, for the policy-gradient pass
+    right after it to reuse instead of multiplying again (`shared_prompt_logits`' `replayed`).
+
+    In MAGRPO's usual setting (one minibatch per rollout buffer) the loss forward runs the very
+    products, of the very parameters, that sampling just ran: its prompt tokens went through the
+    prefill and every completion token through a decode step. So the decode writes the
+    `RECORDED_PROJECTIONS` of each layer into this record (no copy: the C panel kernel writes there,
+    see `StackedLeanDecoder.step`) and the loss forward takes them as those products' results
+    (`training_ops.Replayed`). Everything else runs as before (embeddings, norms, rotary, attention,
+    the other projections, the LM head), and the backward pass is the same, at the activations the
+    replayed forward computed (equal to the sampling pass's to float rounding).
+
+    Valid only while the parameters are those that sampled: the trainer drops an agent's record at
+    its first optimizer step (`release`). Recorded where the whole decode step runs in fp32 C kernels
+    on the CPU (`StackedLeanDecoder.can_record`), which rotate queries and keys in place: the record
+    holds them rotated, prompt and steps alike, and the replayed rotary only rotates gradients.
+
+    `prompt`: per layer, per projection (`PROJECTIONS`) its (prompts, width, features) outputs for
+    the prompts as the sampling call padded them, or None where not recorded; `steps`: the same,
+    (max_new, rows, features), step t holding completion token t's (rows prompt-major,
+    `group_size` per prompt; steps a row ran after its EOS hold its padding's)."""
+
+    def __init__(self, prompt: List[Tuple[Optional[torch.Tensor], ...]], steps: List[Tuple[Optional[torch.Tensor], ...]],
+                 group_size: int, owner: Optional["_StackedRecord"] = None):
+        self.prompt, self.steps, self.group_size = prompt, steps, group_size
+        self._owner = owner
+
+    def replayed(self, nodes: List[int], first_column: int, steps: int) -> List[Tuple[Optional["training_ops.Replayed"], ...]]:
+        """Per layer, per projection, what `shared_prompt_logits` takes for `nodes`' prompts (from
+        column `first_column`) and their completions' first `steps` tokens, in its token order:
+        every prompt's tokens, then every row's (rows prompt-major); None for a projection not
+        recorded. Each is gathered when the forward reaches it."""
+        return [tuple(None if prompt is None else
+                      training_ops.Replayed(functools.partial(self._gather, prompt, step, nodes, first_column, steps))
+                      for prompt, step in zip(prompt_parts, step_parts))
+                for prompt_parts, step_parts in zip(self.prompt, self.steps)]
+
+    def _gather(self, prompt: torch.Tensor, step: torch.Tensor, nodes: List[int], first_column: int,
+                steps: int) -> torch.Tensor:
+        k = self.group_size
+        width, features = prompt.shape[1] - first_column, prompt.shape[-1]
+        joined = prompt.new_empty(len(nodes) * (width + k * steps), features)
+        prompt_part = joined[: len(nodes) * width].view(len(nodes), width, features)
+        row_part = joined[len(nodes) * width:].view(len(nodes), k, steps, features)
+        for i, node in enumerate(nodes):  # one copy per node and part (its K rows are adjacent)
+            prompt_part[i].copy_(prompt[node, first_column:])
+            row_part[i].copy_(step[:steps, node * k:(node + 1) * k].transpose(0, 1))
+        return joined
+
+    def release(self) -> None:
+        """Done with this record: once every agent of its sampling call has released its record,
+        their step buffers serve the next sampling call of the same shape (fresh ones cost a page
+        fault per 4 KB on first write, ~6 ms per S-medium sampling call). Do not read it after."""
+        owner, self._owner = self._owner, None
+        self.prompt = self.steps = []
+        if owner is not None:
+            owner.released()
+
+
+class _StackedRecord:
+    """The ProjectionRecords of a StackedLeanDecoder's agents while it decodes: per layer, per
+    projection (`PROJECTIONS`; None where not in `RECORDED_PROJECTIONS`), `prompt` holds the
+    prefill's (agents, prompts * width, features) outputs and `steps` the steps' (max_new, agents,
+    rows, features), step t's slice contiguous for the panel kernel to write into."""
+
+    _spare_steps: Dict[tuple, list] = {}  # step buffers of released records, by shape
+    _lock = threading.Lock()
+
+    def __init__(self, decoder: "StackedLeanDecoder", prompt_tokens: int, rows: int, max_new_tokens: int):
+        layer = decoder.layers[0]
+        features = [p.panels.out_features if name in RECORDED_PROJECTIONS else None
+                    for name, p in zip(PROJECTIONS, (layer.qkv, layer.o, layer.gate_up, layer.down))]
+        agents = self.agents = decoder.count
+        self.prompt = [tuple(None if n is None else torch.empty(agents, prompt_tokens, n) for n in features)
+                       for _ in decoder.layers]
+        self._key = (agents, rows, max_new_tokens, len(decoder.layers), tuple(features))
+        with self._lock:
+            self.steps = self._spare_steps.pop(self._key, None)
+        if self.steps is None:
+            self.steps = [tuple(None if n is None else torch.empty(max_new_tokens, agents, rows, n) for n in features)
+                          for _ in decoder.layers]
+        self._unreleased = agents
+
+    def split(self, prompts: int, group_size: int) -> List[ProjectionRecord]:
+        """One ProjectionRecord per agent (views)."""
+        return [ProjectionRecord(
+            [tuple(None if t is None else t[a].view(prompts, -1, t.shape[-1]) for t in layer) for layer in self.prompt],
+            [tuple(None if t is None else t[:, a] for t in layer) for layer in self.steps], group_size, self)
+            for a in range(self.agents)]
+
+    def released(self) -> None:
+        with self._lock:
+            self._unreleased -= 1
+            if self._unreleased == 0:  # one spare set per shape: a run samples with one shape
+                self._spare_steps[self._key] = self.steps
+
+
 #: Agents with more parameters than this decode one by one instead of as one stacked batch.
 FUSE_MAX_PARAMETERS = 50_000_000
 
@@ -393,7 +523,8 @@ def fusion_signature(decoder: LeanDecoder) -> tuple:
 
 
 def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                         group_size: int, compute_dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+                         group_size: int, compute_dtype: Optional[torch.dtype] = None,
+                         replayed: Optional[List[Tuple["training_ops.Replayed", ...]]] = None) -> Optional[torch.Tensor]:
     """Logits (rows, T, vocab), in fp32, predicting each token of `completion_ids` (rows, T; rows
     group-major, `group_size` per prompt) after its prompt (`prompt_ids` (prompts, P), left-padded
     as `prompt_mask` says), with gradients to the model's parameters; None when the model is not
@@ -417,7 +548,9 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
       once per pass); norms, rotary embeddings, softmax and the residual stream stay in the
       model's dtype, as under autocast;
     * the backward pass keeps no copy of a weight nor the inputs it can recompute cheaply
-      (`training_ops.norm_linear`, `training_ops.swiglu_linear`).
+      (`training_ops.norm_linear`, `training_ops.swiglu_linear`);
+    * with `replayed` (`ProjectionRecord.replayed` for these tokens, made with these parameters),
+      the layers' projections are not multiplied again but taken from the sampling pass.
     """
     if (not supports_lean_path(model) or prompt_ids.device.type != "cpu"
             or (model.training and getattr(model.config, "attention_dropout", 0.0))):
@@ -455,15 +588,17 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
                          inner.embed_tokens.weight)
     scale = head_dim ** -0.5
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    for layer in inner.layers:
+    for index, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        known_qkv, known_o, known_gate_up, known_down = (None,) * 4 if replayed is None else replayed[index]
         qkv_weights, qkv_biases = _qkv_parts(attn, heads, kv_heads, head_dim)
         qkv = training_ops.norm_linear(hidden, layer.input_layernorm.weight, _eps(layer.input_layernorm),
-                                       qkv_weights, qkv_biases, low)
+                                       qkv_weights, qkv_biases, low, known_qkv)
         # Splits, not pairs of slices: a split's backward is one concatenation, while each slice's
         # backward fills a zero tensor of the whole input's size.
         query_key, value = qkv.split([q_size + kv_size, kv_size], dim=-1)
-        query_key = training_ops.rotary(query_key.view(-1, heads + kv_heads, head_dim), rotation, low)
+        query_key = training_ops.rotary(query_key.view(-1, heads + kv_heads, head_dim), rotation, low,
+                                        already_rotated=known_qkv is not None)
         query, key = query_key.split([heads, kv_heads], dim=1)
         value = value.view(-1, kv_heads, head_dim)
         (q_prompt, q_completion), (k_prompt, k_own), (v_prompt, v_own) = (
@@ -492,12 +627,12 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
         attended = attended.view(prompts, kv_heads, k, group, steps, head_dim).permute(0, 2, 4, 1, 3, 5)
 
         attended = torch.cat([attended_prompt, attended.reshape(rows * steps, q_size)])
-        hidden = hidden + training_ops.linear(attended, [attn.o_proj.weight], _biases(attn.o_proj), low)
+        hidden = hidden + training_ops.linear(attended, [attn.o_proj.weight], _biases(attn.o_proj), low, known_o)
         gate_up = training_ops.norm_linear(hidden, layer.post_attention_layernorm.weight,
                                            _eps(layer.post_attention_layernorm),
                                            [mlp.gate_proj.weight, mlp.up_proj.weight], _biases(mlp.gate_proj, mlp.up_proj),
-                                           low)
-        hidden = hidden + training_ops.swiglu_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, low)
+                                           low, known_gate_up)
+        hidden = hidden + training_ops.swiglu_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, low, known_down)
 
     # The prompt's last position predicts each completion's first token; completion j predicts j + 1.
     prompt_hidden, completion_hidden = hidden.split([prompt_tokens, rows * steps])
@@ -551,7 +686,12 @@ class _AgentProjections:
         self.bias = None if biases[0] is None else (
             biases[0].unsqueeze(0) if single else torch.stack(biases)).unsqueeze(1)  # (A, 1, out)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(A, rows, in) -> (A, rows, out); written into `out` (contiguous, fp32) when given."""
+        if out is not None:
+            if self.panels is not None:
+                return self.panels(x, out)
+            return out.copy_(self(x))
         if self.packed:
             outputs = [linear(part) for part, linear in zip(x.unbind(0), self.linears)]
             return outputs[0].unsqueeze(0) if len(outputs) == 1 else torch.stack(outputs)

@@ -31,7 +31,7 @@ model's to float rounding.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -64,9 +64,11 @@ class _Rotary(torch.autograd.Function):
     so its backward needs only the rotation: grad_x = grad * conj(rotation), pair by pair."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, rotation: torch.Tensor, out_dtype: torch.dtype):
+    def forward(ctx, x: torch.Tensor, rotation: torch.Tensor, out_dtype: torch.dtype, already_rotated: bool):
         ctx.save_for_backward(rotation)
         ctx.x_dtype = x.dtype
+        if already_rotated:  # a replayed forward (see `Replayed`): x holds the rotation's output
+            return x.to(out_dtype)
         rotated = _rotate_by_kernel(x, rotation, conjugate=False)
         return (rotate_pairs(x, rotation) if rotated is None else rotated).to(out_dtype)
 
@@ -77,7 +79,7 @@ class _Rotary(torch.autograd.Function):
         grad_x = _rotate_by_kernel(grad, rotation, conjugate=True)
         if grad_x is None:
             grad_x = rotate_pairs(grad, rotation.conj())
-        return grad_x.to(ctx.x_dtype), None, None
+        return grad_x.to(ctx.x_dtype), None, None, None
 
 
 def _rotate_by_kernel(x: torch.Tensor, rotation: torch.Tensor, conjugate: bool) -> Optional[torch.Tensor]:
@@ -88,10 +90,13 @@ def _rotate_by_kernel(x: torch.Tensor, rotation: torch.Tensor, conjugate: bool) 
     return decode_kernels.rotate(x, rotation, conjugate)  # None for a rotation it does not take (broadcast)
 
 
-def rotary(x: torch.Tensor, rotation: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def rotary(x: torch.Tensor, rotation: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+           already_rotated: bool = False) -> torch.Tensor:
     """Rotary embedding of `x` (..., head_dim), rotary pairs adjacent, by `rotation` (complex,
-    broadcast over x's pairs; it must not need gradients); see `rotate_pairs`."""
-    return _Rotary.apply(x, rotation, out_dtype or torch.promote_types(x.dtype, torch.float32))
+    broadcast over x's pairs; it must not need gradients); see `rotate_pairs`. With
+    `already_rotated`, x is taken as the rotation's result (from a `Replayed` projection whose
+    recorded output was rotated in place) and only the backward pass rotates."""
+    return _Rotary.apply(x, rotation, out_dtype or torch.promote_types(x.dtype, torch.float32), already_rotated)
 
 
 def joined_weight(parts: Sequence[torch.Tensor], dtype: torch.dtype,
@@ -147,7 +152,34 @@ def _parameter_grads(ctx, grad: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     return grad_weights, grad_biases
 
 
-def _project(x: torch.Tensor, weight_parts, bias_parts, dtype) -> torch.Tensor:
+class Replayed:
+    """A projection's output that is already known: the same product, of the same parameters, that
+    the sampling pass computed (`lean.ProjectionRecord`). `norm_linear`, `linear` and
+    `swiglu_linear` given one return it as their forward result instead of multiplying again, and
+    their backward passes are unchanged: they differentiate the product at the inputs the replayed
+    forward computed, which equal the sampling pass's to float rounding.
+
+    It holds a function that gathers the output, called when the forward reaches the projection,
+    so that no more of it is alive at a time than of a computed output. A plain object, not a
+    tensor argument of the autograd functions, so that the gathered tensor is their output and not
+    a view of an input."""
+
+    __slots__ = ("_gather",)
+
+    def __init__(self, gather: Callable[[], torch.Tensor]):
+        self._gather = gather
+
+    def take(self) -> torch.Tensor:
+        gather, self._gather = self._gather, None
+        if gather is None:
+            raise RuntimeError("a replayed projection output was already taken")
+        return gather()
+
+
+def _project(x: torch.Tensor, weight_parts, bias_parts, dtype, replayed: Optional[Replayed] = None) -> torch.Tensor:
+    if replayed is not None:
+        out = replayed.take()
+        return out.to(dtype) if out.dtype != dtype else out
     return onednn.forward(x, joined_weight(weight_parts, dtype), joined_bias(bias_parts, dtype))
 
 
@@ -157,7 +189,7 @@ class _NormLinear(torch.autograd.Function):
     then the weight parts and the bias parts."""
 
     @staticmethod
-    def forward(ctx, x, norm_weight, eps, dtype, weight_count, *parts):
+    def forward(ctx, x, norm_weight, eps, dtype, weight_count, replayed, *parts):
         weight_parts, bias_parts = parts[:weight_count], parts[weight_count:]
         if _kernels_take(x, norm_weight):  # one pass over x instead of six ops
             normalized, rstd = decode_kernels.rms_norm(x, norm_weight, eps)
@@ -167,8 +199,8 @@ class _NormLinear(torch.autograd.Function):
             rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
             normalized = (norm_weight * (x32 * rstd).to(x.dtype)).to(dtype)
         ctx.save_for_backward(x, norm_weight, rstd, *parts)
-        ctx.dtype, ctx.weight_count, ctx.weights_at, ctx.eps = dtype, weight_count, 5, eps
-        return _project(normalized, weight_parts, bias_parts, dtype)
+        ctx.dtype, ctx.weight_count, ctx.weights_at, ctx.eps = dtype, weight_count, 6, eps
+        return _project(normalized, weight_parts, bias_parts, dtype, replayed)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -189,7 +221,7 @@ class _NormLinear(torch.autograd.Function):
         else:
             grad_x, grad_norm_weight = _rms_norm_backward(grad_normalized, x, x_hat, rstd, norm_weight,
                                                           ctx.needs_input_grad[1])
-        return (grad_x, grad_norm_weight, None, None, None, *grad_weights, *grad_biases)
+        return (grad_x, grad_norm_weight, None, None, None, None, *grad_weights, *grad_biases)
 
 
 def _rms_norm_backward(grad, x, x_hat, rstd, weight, weight_needs_grad: bool):
@@ -207,13 +239,15 @@ def _rms_norm_backward(grad, x, x_hat, rstd, weight, weight_needs_grad: bool):
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight_parts: Sequence[torch.Tensor],
-                bias_parts: Sequence[torch.Tensor] = (), dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                bias_parts: Sequence[torch.Tensor] = (), dtype: Optional[torch.dtype] = None,
+                replayed: Optional[Replayed] = None) -> torch.Tensor:
     """`F.linear(rms_norm(x, norm_weight, eps, dtype), W, b)` for x (..., in), W and b the weight and
     bias parts joined row-wise (each part (rows..., in) / (rows...)) and cast to `dtype` (default:
-    x's dtype). Keeps only x, one scalar per row and the parts for the backward pass."""
+    x's dtype). Keeps only x, one scalar per row and the parts for the backward pass. With
+    `replayed` (2-D, rows of x), its output is taken as the product's (see `Replayed`)."""
     dtype = dtype or x.dtype
     flat = x.reshape(-1, x.shape[-1])
-    out = _NormLinear.apply(flat, norm_weight, eps, dtype, len(weight_parts), *weight_parts, *bias_parts)
+    out = _NormLinear.apply(flat, norm_weight, eps, dtype, len(weight_parts), replayed, *weight_parts, *bias_parts)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -221,9 +255,11 @@ class _SwiGLULinear(torch.autograd.Function):
     """`swiglu(gate_up)` through the projection `weight` and `bias` (cast to `dtype`)."""
 
     @staticmethod
-    def forward(ctx, gate_up, weight, bias, dtype):
+    def forward(ctx, gate_up, weight, bias, dtype, replayed):
         ctx.save_for_backward(gate_up, weight, *([] if bias is None else [bias]))
         ctx.dtype, ctx.weights_at = dtype, 1
+        if replayed is not None:  # SwiGLU's output is only the product's input, which is known
+            return _project(gate_up, [weight], [], dtype, replayed)
         if _kernels_take(gate_up):  # one pass instead of silu and a product over strided halves
             hidden = decode_kernels.silu_mul(gate_up)
         else:
@@ -240,7 +276,7 @@ class _SwiGLULinear(torch.autograd.Function):
             joined = joined_weight([weight], ctx.dtype)
             hidden, grad_gate_up = decode_kernels.swiglu_backward(gate_up, onednn.grad_input(grad, joined).float())
             (grad_w,), grad_bias = _parameter_grads(ctx, grad, hidden, joined, [weight], bias)
-            return grad_gate_up, grad_w, (grad_bias or [None])[0], None
+            return grad_gate_up, grad_w, (grad_bias or [None])[0], None, None
         gate, up = gate_up.chunk(2, dim=-1)
         silu_gate = F.silu(gate)
         grad_hidden, (grad_w,), grad_bias = _projection_backward(ctx, grad, silu_gate * up, [weight], bias, ctx.dtype)
@@ -248,35 +284,37 @@ class _SwiGLULinear(torch.autograd.Function):
         grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
         torch.mul(grad_hidden, silu_gate, out=grad_up)
         torch.ops.aten.silu_backward.grad_input(grad_hidden * up, gate, grad_input=grad_gate)
-        return grad_gate_up, grad_w, (grad_bias or [None])[0], None
+        return grad_gate_up, grad_w, (grad_bias or [None])[0], None, None
 
 
 def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                  dtype: Optional[torch.dtype] = None, replayed: Optional[Replayed] = None) -> torch.Tensor:
     """`F.linear(swiglu(gate_up), weight, bias)` for 2-D gate_up, weight and bias cast to `dtype`
-    (default: gate_up's dtype). Keeps only gate_up and the parameters for the backward pass."""
-    return _SwiGLULinear.apply(gate_up, weight, bias, dtype or gate_up.dtype)
+    (default: gate_up's dtype). Keeps only gate_up and the parameters for the backward pass. With
+    `replayed`, its output is taken as the product's (see `Replayed`)."""
+    return _SwiGLULinear.apply(gate_up, weight, bias, dtype or gate_up.dtype, replayed)
 
 
 class _Linear(torch.autograd.Function):
     """x W^T + b, W and b joined from their parts and cast to `dtype`."""
 
     @staticmethod
-    def forward(ctx, x, dtype, weight_count, *parts):
+    def forward(ctx, x, dtype, weight_count, replayed, *parts):
         ctx.save_for_backward(x, *parts)
-        ctx.dtype, ctx.weight_count, ctx.weights_at = dtype, weight_count, 3
-        return _project(x, parts[:weight_count], parts[weight_count:], dtype)
+        ctx.dtype, ctx.weight_count, ctx.weights_at = dtype, weight_count, 4
+        return _project(x, parts[:weight_count], parts[weight_count:], dtype, replayed)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, *parts = ctx.saved_tensors
         grad_x, grad_weights, grad_biases = _projection_backward(
             ctx, grad, x, parts[:ctx.weight_count], parts[ctx.weight_count:], ctx.dtype)
-        return (grad_x, None, None, *grad_weights, *grad_biases)
+        return (grad_x, None, None, None, *grad_weights, *grad_biases)
 
 
 def linear(x: torch.Tensor, weight_parts: Sequence[torch.Tensor], bias_parts: Sequence[torch.Tensor] = (),
-           dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+           dtype: Optional[torch.dtype] = None, replayed: Optional[Replayed] = None) -> torch.Tensor:
     """`F.linear(x, W, b)` for 2-D x, W and b joined from their parts and cast to `dtype` (default:
-    x's dtype), rebuilt in the backward pass rather than kept."""
-    return _Linear.apply(x, dtype or x.dtype, len(weight_parts), *weight_parts, *bias_parts)
+    x's dtype), rebuilt in the backward pass rather than kept. With `replayed`, its output is taken
+    as the product's (see `Replayed`)."""
+    return _Linear.apply(x, dtype or x.dtype, len(weight_parts), replayed, *weight_parts, *bias_parts)

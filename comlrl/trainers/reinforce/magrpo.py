@@ -34,6 +34,7 @@ from comlrl import checkpoint as ckpt
 from comlrl import faults
 from comlrl.distributed import DistContext
 from comlrl.logging import MetricsSink
+from comlrl.models import lean
 from comlrl.precision import MIXED_PRECISION_MODES, compute_dtype
 from comlrl.losses import (
     ADVANTAGE_MODES,
@@ -386,7 +387,7 @@ class MAGRPOTrainer:
                         self._maybe_evaluate(positions)
 
                         # 1. rollout + 2. reward + 3. returns
-                        turns = self._rollout(items, [("train", a.seed, epoch, p) for p in shard])
+                        turns = self._rollout(items, [("train", a.seed, epoch, p) for p in shard], for_training=True)
                         compute_returns(turns, a.discount)
 
                         # 4. advantage, loss and optimizer step, agent by agent
@@ -430,7 +431,8 @@ class MAGRPOTrainer:
     # Phases
     # ============================================================================================
 
-    def _rollout(self, items: List[dict], keys: List[tuple], dist: Optional[DistContext] = None) -> List[TurnBatch]:
+    def _rollout(self, items: List[dict], keys: List[tuple], dist: Optional[DistContext] = None,
+                 for_training: bool = False) -> List[TurnBatch]:
         """Sample every turn of the episodes starting at `items`; score each turn's joint actions.
 
         `keys` name each episode (seed, split, epoch, dataset position); a node's samples are drawn
@@ -448,7 +450,7 @@ class MAGRPOTrainer:
         node_keys = list(keys)
         turns: List[TurnBatch] = []
         for turn_index in range(a.num_turns):
-            samples = self._sample_all_agents(prompts, node_keys)
+            samples = self._sample_all_agents(prompts, node_keys, record_projections=for_training)
             turn = TurnBatch(turn_index, node_items, prompts, samples, self.joint_index, None, parents,
                              history_prompts, history_responses)
             score_turn(turn, self.reward, self.num_agents)
@@ -492,16 +494,21 @@ class MAGRPOTrainer:
             prompts = next_prompts
         return turns
 
-    def _sample_all_agents(self, prompts: List[List[str]], node_keys: List[tuple]) -> List[AgentSamples]:
+    def _sample_all_agents(self, prompts: List[List[str]], node_keys: List[tuple],
+                           record_projections: bool = False) -> List[AgentSamples]:
         """Every agent's samples for one turn. Agents on one device that share an architecture
         decode as one batch (`sample_agents`); agents on different devices sample concurrently (one
         thread per agent: kernels of different GPUs overlap while Python waits). Samples are keyed,
-        so the result is the same either way."""
+        so the result is the same either way. With `record_projections` (a training rollout),
+        sampling keeps its layer projections where it can, for the update to reuse
+        (`lean.ProjectionRecord`)."""
         keys = [[key + (f"agent_{i}",) for key in node_keys] for i in range(self.num_agents)]
+        record_projections = record_projections and lean.REUSE_SAMPLING_PROJECTIONS
 
         def sample(i: int) -> AgentSamples:
             return sample_completions(self.agents[i], self.tokenizers[i], prompts[i], self.sampling,
-                                      keys=keys[i], compute_dtype=self.compute_dtypes[i])
+                                      keys=keys[i], compute_dtype=self.compute_dtypes[i],
+                                      record_projections=record_projections)
 
         if self._concurrent_rollout:
             if self._rollout_pool is None:
@@ -510,7 +517,8 @@ class MAGRPOTrainer:
             for _ in results:
                 faults.point("generate")
             return results
-        results = sample_agents(self.agents, self.tokenizers, prompts, self.sampling, keys, self.compute_dtypes)
+        results = sample_agents(self.agents, self.tokenizers, prompts, self.sampling, keys, self.compute_dtypes,
+                                record_projections)
         for _ in results:
             faults.point("generate")
         return results
@@ -527,6 +535,9 @@ class MAGRPOTrainer:
         k = a.num_generations
         device = self.devices[agent_index]
         scaled_losses, length_sum, length_count = [], 0.0, 0
+        # The sampling pass's projections (`lean.ProjectionRecord`) hold for the parameters that
+        # sampled, i.e. until this agent's first optimizer step of the update.
+        records_valid = True
         agent.train()
         for turn in turns:
             samples = turn.samples[agent_index]
@@ -546,11 +557,18 @@ class MAGRPOTrainer:
                 # Each rank's loss is a mean over its rows (or tokens); weighted by its share of the
                 # global minibatch, the sum over ranks is the single-process loss.
                 loss = self._minibatch_backward(agent, samples, advantages, local, 1.0 if share is None else share,
-                                                self.compute_dtypes[agent_index])
+                                                self.compute_dtypes[agent_index],
+                                                samples.recorded if records_valid else None)
                 faults.point("backward")
                 _drop_unused_gradients(optimizer, kept)
                 self.dist.sum_gradients(list(agent.parameters()))
                 optimizer.step()
+                if records_valid:
+                    records_valid = False
+                    for stale in turns:  # the parameters have moved
+                        if stale.samples[agent_index].recorded is not None:
+                            stale.samples[agent_index].recorded.release()
+                            stale.samples[agent_index].recorded = None
                 faults.point("optimizer_step")
                 scaled_losses.append(loss)
         totals = self.dist.all_gather_object((scaled_losses, length_sum, length_count))
@@ -571,14 +589,16 @@ class MAGRPOTrainer:
         return local / max(self.dist.sum_float(local), 1.0)
 
     def _minibatch_backward(self, agent, samples, advantages: torch.Tensor, nodes_local: List[int],
-                            share: float, dtype: Optional[torch.dtype]) -> float:
+                            share: float, dtype: Optional[torch.dtype], record=None) -> float:
         """Backward of this rank's part of one minibatch's loss; returns the loss value.
 
         Nodes go through the model in chunks of about `max_forward_tokens` tokens. Within a chunk each
         node's prompt is computed once and shared by its K completions (`shared_prompt_token_logprobs`).
         Each chunk's loss is weighted by its share of the rows (tokens for token_mean) and
         back-propagated at once, so the accumulated gradient is that of the whole minibatch while only
-        one chunk's activations are alive at a time."""
+        one chunk's activations are alive at a time. With `record` (`lean.ProjectionRecord` of
+        these samples, made with the current parameters), the forward reuses the sampling pass's
+        layer projections instead of multiplying again."""
         a, k = self.args, self.args.num_generations
         if not nodes_local:
             return 0.0
@@ -603,9 +623,11 @@ class MAGRPOTrainer:
                 prompt_columns - int(prompt_mask.any(dim=0).nonzero()[0]), prompt_columns, coarse_widths)
             chunk_mask = mask[chunk]
             width = bucketed_width(int(chunk_mask.sum(dim=1).max()), chunk_mask.shape[1], coarse_widths)
+            replayed = None if record is None else record.replayed(nodes_local[start:start + nodes_per_chunk],
+                                                                   first_column, width - 1)
             logprobs = shared_prompt_token_logprobs(agent, prompt_ids[:, first_column:], prompt_mask[:, first_column:],
                                                     samples.completion_ids[rows[chunk], :width], chunk_mask[:, :width], k,
-                                                    dtype)
+                                                    dtype, replayed)
             loss = policy_gradient_loss(logprobs, chunk_mask[:, :width], advantages.reshape(-1)[rows[chunk]], a.loss_type)
             weight = (float(chunk_mask.sum()) / max(trained_tokens, 1.0) if a.loss_type == "token_mean"
                       else chunk_mask.shape[0] / len(rows))

@@ -1,0 +1,198 @@
+"""The policy-gradient pass reuses the sampling pass's projections (`lean.ProjectionRecord`) and
+gets the log-probs and gradients it would have computed, only while the parameters are unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+from comlrl.losses import bucketed_width, completion_mask, shared_prompt_token_logprobs
+from comlrl.models import decode_kernels, lean, load_causal_lm, load_tokenizer
+from comlrl.models.lean import StackedLeanDecoder, lean_decoder_for, shared_prompt_logits
+from comlrl.models.lean import _StackedRecord
+from comlrl.rollout import SamplingSettings, sample_agents
+from test_lean_training_forward import tiny
+
+pytestmark = pytest.mark.skipif(decode_kernels.library() is None,
+                                reason="records need the C decode kernels (an AVX2/FMA CPU and a C compiler)")
+
+EOS = 5
+ARCHITECTURES = {"qwen2-gqa": lambda: tiny(Qwen2Config), "llama-mha": lambda: tiny(LlamaConfig, num_key_value_heads=4),
+                 "llama-biases": lambda: tiny(LlamaConfig, attention_bias=True, mlp_bias=True),
+                 "mistral": lambda: tiny(MistralConfig, sliding_window=None)}
+
+
+def _perturbed(model, seed: int):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def _teacher_forced_records(models, prompt_ids, prompt_mask, completions, k):
+    """Each model's ProjectionRecord of a decode that feeds `completions` (rows, T) after the
+    prompts, as `rollout._decode` runs it (all models stacked, one step per token)."""
+    with torch.no_grad():
+        decoder = StackedLeanDecoder([lean_decoder_for(m) for m in models])
+        assert decoder.can_record
+        count, (prompts, width), steps = len(models), prompt_ids.shape, completions.shape[1]
+        record = _StackedRecord(decoder, prompts * width, prompts * k, steps)
+        _, cache = decoder.prefill(prompt_ids.repeat(count, 1), prompt_mask.repeat(count, 1), k, steps, record)
+        rows_mask = torch.cat([prompt_mask.repeat_interleave(k, dim=0), torch.ones(prompts * k, steps, dtype=torch.long)], 1)
+        bias = decoder.attention_bias(rows_mask.repeat(count, 1))
+        last = (prompt_mask.cumsum(1) - 1).clamp(min=0)[:, -1:].repeat_interleave(k, dim=0).repeat(count, 1)
+        rotations = decoder.rotary_table(last + torch.arange(1, steps + 1)).transpose(0, 1).contiguous()
+        for t in range(steps - 1):  # the last token is only predicted
+            decoder.step(completions[:, t].repeat(count), rotations[t], cache, t, bias, record)
+    return record.split(prompts, k)
+
+
+def _logprobs_and_grads(model, prompt_ids, prompt_mask, completions, mask, k, replayed=None):
+    model.zero_grad(set_to_none=True)
+    logprobs = shared_prompt_token_logprobs(model, prompt_ids, prompt_mask, completions, mask, k, None, replayed)
+    (logprobs * mask).sum().backward()
+    return (logprobs * mask).detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_replayed_projections_give_the_recomputed_log_probs_and_gradients(name):
+    """Three prompts of different lengths (left-padded), K=3 completions each, one ending at EOS:
+    for any subset of prompts and any crop of their padding columns (as the trainer's chunks take
+    them), the forward on recorded projections matches the recomputed one in log-probs and in
+    every parameter's gradient, to float rounding; a record of other parameters does not."""
+    models = [ARCHITECTURES[name]() for _ in range(2)]
+    _perturbed(models[1], 1)
+    k, steps = 3, 9
+    torch.manual_seed(2)
+    prompt_ids = torch.randint(6, 97, (3, 8))
+    prompt_mask = torch.ones(3, 8, dtype=torch.long)
+    prompt_mask[0, :5], prompt_mask[2, :2] = 0, 0
+    completions = torch.randint(6, 97, (3 * k, steps))
+    completions[4, 3] = EOS
+    mask = completion_mask(completions, [EOS])
+    records = _teacher_forced_records(models, prompt_ids, prompt_mask, completions, k)
+    for agent, (model, record) in enumerate(zip(models, records)):
+        model.train()
+        for nodes, first_column, width in (([0, 1, 2], 0, steps), ([2, 0], 2, steps), ([0], 5, 4), ([1], 0, 1)):
+            rows = torch.tensor([n * k + j for n in nodes for j in range(k)])
+            args = (model, prompt_ids[nodes, first_column:], prompt_mask[nodes, first_column:],
+                    completions[rows, :width], mask[rows, :width], k)
+            expected, expected_grads = _logprobs_and_grads(*args)
+            replayed, grads = _logprobs_and_grads(*args, record.replayed(nodes, first_column, width - 1))
+            torch.testing.assert_close(replayed, expected, rtol=1e-5, atol=2e-5)
+            for got, want in zip(grads, expected_grads):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+        # The record is really what the forward uses: the other agent's parameters give other log-probs.
+        everything = (model, prompt_ids, prompt_mask, completions, mask, k)
+        other = records[1 - agent].replayed([0, 1, 2], 0, steps - 1)
+        wrong, _ = _logprobs_and_grads(*everything, other)
+        assert (wrong - _logprobs_and_grads(*everything)[0]).abs().max() > 1e-2
+
+
+def test_replayed_outputs_are_taken_once():
+    model = tiny(Qwen2Config)
+    prompt_ids, prompt_mask = torch.randint(6, 97, (1, 4)), torch.ones(1, 4, dtype=torch.long)
+    completions = torch.randint(6, 97, (2, 3))
+    (record,) = _teacher_forced_records([model], prompt_ids, prompt_mask, completions, 2)
+    replayed = record.replayed([0], 0, 2)
+    assert shared_prompt_logits(model, prompt_ids, prompt_mask, completions, 2, replayed=replayed) is not None
+    with pytest.raises(RuntimeError, match="already taken"):
+        shared_prompt_logits(model, prompt_ids, prompt_mask, completions, 2, replayed=replayed)
+
+
+def test_sampling_records_what_the_update_recomputes(tiny_model_dir):
+    """Through `sample_agents` (two fused agents, the trainer's chunking of prompts): the records
+    match the recomputed forward; released records lend their buffers to the next call."""
+    models = [load_causal_lm(tiny_model_dir), _perturbed(load_causal_lm(tiny_model_dir), 3)]
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prompts = ["A tale of two robots.", "Hi", "Describe the sea in one long sentence, slowly."]
+    settings = SamplingSettings(num_generations=2, max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=None)
+    keys = [[("test", i, a) for i in range(len(prompts))] for a in range(2)]
+    samples = sample_agents(models, [tokenizer] * 2, [prompts] * 2, settings, keys, [None, None], record_projections=True)
+    plain = sample_agents(models, [tokenizer] * 2, [prompts] * 2, settings, keys, [None, None])
+    assert all(s.recorded is not None for s in samples) and all(s.recorded is None for s in plain)
+    for s, p in zip(samples, plain):  # recording changes no sampled token
+        assert torch.equal(s.completion_ids, p.completion_ids)
+    k = settings.num_generations
+    for model, s in zip(models, samples):
+        model.train()
+        for nodes in ([1, 2], [0]):
+            rows = torch.tensor([n * k + j for n in nodes for j in range(k)])
+            prompt_mask = s.prompt_mask[nodes]
+            columns = prompt_mask.shape[1]
+            first = columns - bucketed_width(columns - int(prompt_mask.any(dim=0).nonzero()[0]), columns, True)
+            width = bucketed_width(int(s.completion_mask[rows].sum(dim=1).max()), s.completion_mask.shape[1], True)
+            args = (model, s.prompt_ids[nodes, first:], prompt_mask[:, first:], s.completion_ids[rows, :width],
+                    s.completion_mask[rows, :width], k)
+            expected, expected_grads = _logprobs_and_grads(*args)
+            replayed, grads = _logprobs_and_grads(*args, s.recorded.replayed(nodes, first, width - 1))
+            torch.testing.assert_close(replayed, expected, rtol=1e-5, atol=2e-5)
+            for got, want in zip(grads, expected_grads):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    # Step buffers return to a spare set once every agent of their call released its record.
+    def buffer(agent_samples):
+        return agent_samples.recorded.steps[0][0].untyped_storage().data_ptr()
+
+    first = buffer(samples[0])
+    samples[0].recorded.release()
+    second = sample_agents(models, [tokenizer] * 2, [prompts] * 2, settings, keys, [None, None], record_projections=True)
+    assert buffer(second[0]) != first  # agent 2 still holds the first call's record
+    samples[1].recorded.release()
+    third = sample_agents(models, [tokenizer] * 2, [prompts] * 2, settings, keys, [None, None], record_projections=True)
+    assert buffer(third[0]) == first
+    for fresh, reused in zip(second, third):  # a call on reused buffers records what a fresh one does
+        written = fresh.completion_ids.shape[1] - 1  # steps this agent's tokens went through
+        assert torch.equal(reused.recorded.steps[0][0][:written], fresh.recorded.steps[0][0][:written])
+    for s in second + third:
+        s.recorded.release()
+
+
+@pytest.mark.parametrize("train_batch_size", [2, 1])
+def test_the_update_reuses_records_until_the_first_optimizer_step(make_trainer, tmp_path, monkeypatch,
+                                                                   train_batch_size):
+    """Two prompts per update: one minibatch (train_batch_size 2) replays the sampling pass's
+    projections; with two minibatches only the first does (the second runs after an optimizer
+    step). Every record is released. Training agrees with a run that recomputes (the losses to
+    float rounding)."""
+    replays, releases = [], []
+    original_replayed, original_release = lean.ProjectionRecord.replayed, lean.ProjectionRecord.release
+    monkeypatch.setattr(lean.ProjectionRecord, "replayed",
+                        lambda self, *a: replays.append(a) or original_replayed(self, *a))
+    monkeypatch.setattr(lean.ProjectionRecord, "release", lambda self: releases.append(1) or original_release(self))
+    losses = {}
+    for reuse in (True, False):
+        monkeypatch.setattr(lean, "REUSE_SAMPLING_PROJECTIONS", reuse)
+        metrics = tmp_path / f"metrics-{reuse}.jsonl"
+        trainer = make_trainer(num_train_epochs=2, num_generations=3, max_new_tokens=10,
+                               train_batch_size=train_batch_size, metrics_path=str(metrics))
+        trainer.train()
+        losses[reuse] = [[row[key] for key in sorted(row) if key.endswith("loss")]
+                         for row in map(json.loads, metrics.read_text().splitlines())]
+        if reuse:
+            updates = len(losses[reuse])
+            assert updates == 4  # 4 prompts, 2 per update, 2 epochs
+            assert len(replays) == 2 * updates  # each agent's first minibatch of each update, not its second
+            assert len(releases) == 2 * updates
+    assert len(replays) == 2 * 4  # nothing recorded or replayed when turned off
+    assert all(losses[True]) and torch.allclose(torch.tensor(losses[True]), torch.tensor(losses[False]),
+                                                rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture
+def make_trainer(tiny_model_dir):
+    from comlrl.data import story_prompts
+    from comlrl.rewards import length_ratio_reward
+    from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+    def build(metrics_path=None, **config):
+        settings = dict(num_turns=1, num_train_epochs=1, num_generations=2, max_new_tokens=8, logging_steps=1,
+                        show_progress=False)
+        settings.update(config)
+        return MAGRPOTrainer(agents=[load_causal_lm(tiny_model_dir) for _ in range(2)],
+                             tokenizer=load_tokenizer(tiny_model_dir), reward_func=length_ratio_reward,
+                             train_dataset=story_prompts(), args=MAGRPOConfig(**settings), metrics_path=metrics_path)
+    return build
