@@ -182,17 +182,31 @@ def test_the_update_reuses_records_until_the_first_optimizer_step(make_trainer, 
                                                 rtol=1e-4, atol=1e-6)
 
 
+def test_multi_turn_updates_record_and_replay_only_the_first_turn(make_trainer, monkeypatch):
+    """Later turns are trained after the first optimizer step, so sampling records only turn 1."""
+    from comlrl.transitions import revise_with_partner_feedback
+
+    made, replays = [], []
+    original_init, original_replayed = lean.ProjectionRecord.__init__, lean.ProjectionRecord.replayed
+    monkeypatch.setattr(lean.ProjectionRecord, "__init__", lambda self, *a: made.append(1) or original_init(self, *a))
+    monkeypatch.setattr(lean.ProjectionRecord, "replayed", lambda self, *a: replays.append(1) or original_replayed(self, *a))
+    trainer = make_trainer(num_turns=2, discount=0.5, external_transition=revise_with_partner_feedback)
+    trainer.train()
+    assert len(made) == len(replays) == 2 * 2  # 2 agents x 2 updates (4 prompts, 2 per update)
+
+
 @pytest.fixture
 def make_trainer(tiny_model_dir):
     from comlrl.data import story_prompts
     from comlrl.rewards import length_ratio_reward
     from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
-    def build(metrics_path=None, **config):
+    def build(metrics_path=None, external_transition=None, **config):
         settings = dict(num_turns=1, num_train_epochs=1, num_generations=2, max_new_tokens=8, logging_steps=1,
                         show_progress=False)
         settings.update(config)
         return MAGRPOTrainer(agents=[load_causal_lm(tiny_model_dir) for _ in range(2)],
                              tokenizer=load_tokenizer(tiny_model_dir), reward_func=length_ratio_reward,
-                             train_dataset=story_prompts(), args=MAGRPOConfig(**settings), metrics_path=metrics_path)
+                             train_dataset=story_prompts(), args=MAGRPOConfig(**settings), metrics_path=metrics_path,
+                             external_transition=external_transition)
     return build

@@ -450,7 +450,9 @@ class MAGRPOTrainer:
         node_keys = list(keys)
         turns: List[TurnBatch] = []
         for turn_index in range(a.num_turns):
-            samples = self._sample_all_agents(prompts, node_keys, record_projections=for_training)
+            # Only the first turn's projections can be replayed: the update's first optimizer step
+            # (a minibatch of turn 1) moves the parameters before any later turn is trained.
+            samples = self._sample_all_agents(prompts, node_keys, record_projections=for_training and turn_index == 0)
             turn = TurnBatch(turn_index, node_items, prompts, samples, self.joint_index, None, parents,
                              history_prompts, history_responses)
             score_turn(turn, self.reward, self.num_agents)
