@@ -7,9 +7,11 @@ parameters: fused QKV and gate/up projections, a preallocated KV cache and a pre
 mask. The policy-gradient pass (`shared_prompt_logits`) is written the same way, with autograd:
 prompt and completion tokens share each projection, and each prompt's keys serve its K samples.
 The prompt prefill of sampling runs the same way (`StackedLeanDecoder.prefill`), writing the
-prompts' keys and values straight into the decode cache. These paths compute the model's function
-(checked against it in the tests) and are used only for architectures they know; other models run
-their own forward.
+prompts' keys and values straight into the decode cache. On the CPU in fp32, sampling for training
+also records some of its projections (`ProjectionRecord`), which the policy-gradient pass right
+after it reuses instead of multiplying again. These paths compute the model's function (checked
+against it in the tests) and are used only for architectures they know; other models run their
+own forward.
 
 With a `compute_dtype` (mixed precision), the projections run on bf16 copies of the weights, as
 autocast would run them, while norms and rotary embeddings stay in the model's dtype. The decode KV
