@@ -176,7 +176,7 @@ class StackedLeanDecoder:
         # Projection records (`ProjectionRecord`) need the panel kernel's outputs and the step's
         # in-place rotation, i.e. the whole step in fp32 C kernels.
         self.can_record = self.kernel_elementwise and self.kernel_attention and all(
-            getattr(p, "panels", None) is not None for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            p.panels is not None for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
         # Each layer's output goes through the next layer's input norm, the last one's the final norm.
         self._eps_after = [layer.eps for layer in self.layers[1:]] + [self.final_eps]
 
@@ -668,12 +668,12 @@ class _AgentProjections:
         # (A, rows, out) tensor per call cost ~15 us of a ~70 us call.
         self._reuse_output = reuse_output
         self._output: Optional[torch.Tensor] = None
+        self.panels: Optional[decode_kernels.PanelWeights] = None
         if self.packed:
             self.linears = projections
             return
         weights, biases = [p.weight for p in projections], [p.bias for p in projections]
         single = len(weights) == 1
-        self.panels = None
         if decode_kernels.runs(weights[0]):
             self.panels = decode_kernels.PanelWeights(weights, None if biases[0] is None else biases)
             return
@@ -689,21 +689,20 @@ class _AgentProjections:
             biases[0].unsqueeze(0) if single else torch.stack(biases)).unsqueeze(1)  # (A, 1, out)
 
     def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """(A, rows, in) -> (A, rows, out); written into `out` (contiguous, fp32) when given."""
-        if out is not None:
-            if self.panels is not None:
-                return self.panels(x, out)
-            return out.copy_(self(x))
+        """(A, rows, in) -> (A, rows, out); on the panel kernel, written into `out` (contiguous,
+        fp32) when given (a `ProjectionRecord`'s slice; only where `StackedLeanDecoder.can_record`)."""
+        if out is not None and self.panels is None:
+            raise ValueError("only the panel kernel writes projections into a given output")
         if self.packed:
             outputs = [linear(part) for part, linear in zip(x.unbind(0), self.linears)]
             return outputs[0].unsqueeze(0) if len(outputs) == 1 else torch.stack(outputs)
         if self.panels is not None:
-            if not self._reuse_output:
-                return self.panels(x)
-            shape = (x.shape[0], x.shape[1], self.panels.out_features)
-            if self._output is None or self._output.shape != shape:
-                self._output = torch.empty(shape, dtype=torch.float32)
-            return self.panels(x, self._output)
+            if out is None and self._reuse_output:
+                shape = (x.shape[0], x.shape[1], self.panels.out_features)
+                if self._output is None or self._output.shape != shape:
+                    self._output = torch.empty(shape, dtype=torch.float32)
+                out = self._output
+            return self.panels(x, out)
         if self.bias is None:
             return torch.bmm(x, self.weight)
         return torch.baddbmm(self.bias, x, self.weight)

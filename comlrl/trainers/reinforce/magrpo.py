@@ -537,9 +537,6 @@ class MAGRPOTrainer:
         k = a.num_generations
         device = self.devices[agent_index]
         scaled_losses, length_sum, length_count = [], 0.0, 0
-        # The sampling pass's projections (`lean.ProjectionRecord`) hold for the parameters that
-        # sampled, i.e. until this agent's first optimizer step of the update.
-        records_valid = True
         agent.train()
         for turn in turns:
             samples = turn.samples[agent_index]
@@ -559,18 +556,17 @@ class MAGRPOTrainer:
                 # Each rank's loss is a mean over its rows (or tokens); weighted by its share of the
                 # global minibatch, the sum over ranks is the single-process loss.
                 loss = self._minibatch_backward(agent, samples, advantages, local, 1.0 if share is None else share,
-                                                self.compute_dtypes[agent_index],
-                                                samples.recorded if records_valid else None)
+                                                self.compute_dtypes[agent_index], samples.recorded)
                 faults.point("backward")
                 _drop_unused_gradients(optimizer, kept)
                 self.dist.sum_gradients(list(agent.parameters()))
                 optimizer.step()
-                if records_valid:
-                    records_valid = False
-                    for stale in turns:  # the parameters have moved
-                        if stale.samples[agent_index].recorded is not None:
-                            stale.samples[agent_index].recorded.release()
-                            stale.samples[agent_index].recorded = None
+                # The sampling pass's projections (`lean.ProjectionRecord`) hold for the parameters
+                # that sampled: after this agent's first step no minibatch may replay them.
+                for stale in turns:
+                    if stale.samples[agent_index].recorded is not None:
+                        stale.samples[agent_index].recorded.release()
+                        stale.samples[agent_index].recorded = None
                 faults.point("optimizer_step")
                 scaled_losses.append(loss)
         totals = self.dist.all_gather_object((scaled_losses, length_sum, length_count))
