@@ -25,8 +25,12 @@ def _weights(agents: int, out_features: int, in_features: int, seed: int):
     return weights, biases
 
 
-#: The kernel families this CPU runs: 8-wide panels (AVX2), and 16-wide ones on AVX-512 CPUs.
-WIDTHS = pytest.mark.parametrize("width", decode_kernels.PANEL_WIDTHS, ids=lambda w: f"panels{w}")
+#: The kernel families this CPU runs: 8- and 16-wide panels in AVX2, and 16-wide in AVX-512 on
+#: CPUs that have it.
+FAMILIES = [dict(width=8), dict(width=16, avx512=False)] + (
+    [dict(width=16, avx512=True)] if decode_kernels.AVX512_PANELS else [])
+WIDTHS = pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f"panels{f['width']}" + (
+    "" if f["width"] == 8 else "-avx512" if f["avx512"] else "-avx2"))
 
 
 @needs_kernel
@@ -34,13 +38,13 @@ WIDTHS = pytest.mark.parametrize("width", decode_kernels.PANEL_WIDTHS, ids=lambd
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 16, 29, 64])
 @pytest.mark.parametrize("shape", [(48, 64), (257, 256), (256, 512), (10, 7)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_panel_products_match_bmm(rows, shape, with_bias, width):
-    """Every row count (whole and partial blocks of 16, 8 and 4 rows) and output width (whole and
+def test_panel_products_match_bmm(rows, shape, with_bias, family):
+    """Every row count (whole and partial blocks of 16, 8, 6 and 4 rows) and output width (whole and
     partial panels), with and without bias, for two agents at once."""
     out_features, in_features = shape
     weights, biases = _weights(2, out_features, in_features, seed=rows)
     x = torch.randn(2, rows, in_features, generator=torch.Generator().manual_seed(1))
-    panels = decode_kernels.PanelWeights(weights, biases if with_bias else None, width=width)
+    panels = decode_kernels.PanelWeights(weights, biases if with_bias else None, **family)
     expected = torch.bmm(x, torch.stack([w.t() for w in weights]))
     if with_bias:
         expected = expected + torch.stack(biases).unsqueeze(1)
@@ -52,11 +56,11 @@ def test_panel_products_match_bmm(rows, shape, with_bias, width):
 
 @needs_kernel
 @WIDTHS
-def test_a_row_computes_the_same_in_any_batch(width):
+def test_a_row_computes_the_same_in_any_batch(family):
     """Bitwise: a row's sums do not depend on the rows around it, so a sample does not depend on
     the batch it is decoded in."""
     weights, biases = _weights(1, 100, 96, seed=0)
-    panels = decode_kernels.PanelWeights(weights, biases, width=width)
+    panels = decode_kernels.PanelWeights(weights, biases, **family)
     x = torch.randn(1, 29, 96, generator=torch.Generator().manual_seed(2))
     together = panels(x)
     for row in range(29):
@@ -64,20 +68,24 @@ def test_a_row_computes_the_same_in_any_batch(width):
 
 
 @needs_kernel
-@pytest.mark.skipif(len(decode_kernels.PANEL_WIDTHS) < 2, reason="the AVX-512 kernels need an AVX-512 CPU")
-def test_avx512_and_avx2_kernels_agree_bitwise():
-    """Both families sum each output over the inputs in order, one fused multiply-add at a time."""
+@pytest.mark.parametrize("rows", [8, 16, 29])
+def test_every_kernel_family_agrees_bitwise(rows):
+    """All families sum each output over the inputs in order, one fused multiply-add at a time,
+    whatever their register blocking (8 x 8, 6 x 16 and 4 x 16 in AVX2, 16 x 16 in AVX-512)."""
     weights, biases = _weights(2, 300, 200, seed=3)
-    x = torch.randn(2, 29, 200, generator=torch.Generator().manual_seed(4))
-    narrow, wide = (decode_kernels.PanelWeights(weights, biases, width=w)(x) for w in (8, 16))
-    assert torch.equal(narrow, wide)
+    x = torch.randn(2, rows, 200, generator=torch.Generator().manual_seed(4))
+    first, *others = (decode_kernels.PanelWeights(weights, biases, **family)(x) for family in FAMILIES)
+    assert others and all(torch.equal(first, other) for other in others)
 
 
-def test_a_panel_width_this_cpu_does_not_run_is_refused():
+def test_a_panel_width_or_family_the_kernels_lack_is_refused():
     if decode_kernels.library() is None:
         pytest.skip("no kernel library here")
     with pytest.raises(ValueError, match="panel width 12"):
         decode_kernels.PanelWeights(_weights(1, 8, 8, seed=0)[0], width=12)
+    if not decode_kernels.AVX512_PANELS:
+        with pytest.raises(ValueError, match="AVX-512"):
+            decode_kernels.PanelWeights(_weights(1, 8, 8, seed=0)[0], width=16, avx512=True)
 
 
 @needs_kernel

@@ -8,7 +8,8 @@
  * against 4 rows x 24 outputs, which reads each panel twice for 8 rows: one medium-model step's
  * projections, weights out of cache, 1.54 -> 1.30 ms with 8 rows per agent, 3.1-3.6 -> 2.5 ms with
  * 16.) A row's sums run over k in order, the same whatever the number of rows, so a row's result
- * does not depend on the batch it is in.
+ * does not depend on the batch it is in. The default since is 16-wide panels (below), which give
+ * the same results bit for bit.
  *
  * Built with -mavx2 -mfma; the loader checks that the CPU has both before it loads the library, and
  * uses the AVX-512 kernels below only where torch reports AVX-512.
@@ -105,12 +106,75 @@ ROW_KERNELS(KERNEL, ROW_INIT, ROW_FMA, ROW_STORE, rows8, rows4, rows3, rows2, ro
 KERNEL16(rows16x16, R16(ROW16_INIT), R16(ROW16_FMA), R16(ROW16_STORE))
 ROW_KERNELS(KERNEL16, ROW16_INIT, ROW16_FMA, ROW16_STORE, rows8x16, rows4x16, rows3x16, rows2x16, rows1x16)
 
+/* AVX2 with 16-wide panels (the AVX-512 packing): row r's 16 sums in two registers, c<r>l and
+ * c<r>h, so 6 rows keep 12 sums in flight and each input column costs 2 panel loads and 6
+ * broadcasts per 12 fused multiply-adds, where the 8-wide kernel pays 1 + 8 per 8 and keeps only
+ * 8 in flight, as many as the FMA units' latency needs, with no slack. Same order of sums, so the
+ * same results bit for bit. Measured on an AVX2 EPYC (Zen 3), medium model, 2 agents, in C with
+ * every weight of a step streamed from L3 in turn, as a real step does: one step's projections
+ * 1.95 -> 1.75 ms at 16 rows per agent (6 + 6 + 4), even at 8 (4 + 4: each panel read twice, the
+ * first time from L3); one sampling call's products 165 -> 148 ms (K=8) and 97 -> 91 ms (K=4,
+ * with the prefill's 6-row blocks: ~114 prompt rows 62 -> 78 GFLOP/s, MKL's rate there). */
+#define PREFETCH_ROWS2 96 /* 6 KB ahead: of 16-256, 96-128 was best; 16 lost 25% at 8 rows */
+#define ROW2_INIT(r) __m256 c##r##l = _mm256_setzero_ps(); __m256 c##r##h = _mm256_setzero_ps();
+#define ROW2_FMA(r) { const __m256 xr = _mm256_broadcast_ss(xi + (r)); \
+    c##r##l = _mm256_fmadd_ps(xr, b, c##r##l); c##r##h = _mm256_fmadd_ps(xr, b_high, c##r##h); }
+#define ROW2_STORE(r) { \
+    float *dst = c + (r) * ldc; \
+    if (bias) { c##r##l = _mm256_add_ps(c##r##l, _mm256_loadu_ps(bias)); \
+                c##r##h = _mm256_add_ps(c##r##h, _mm256_loadu_ps(bias + NR)); } \
+    if (cols == NR16) { \
+        _mm256_storeu_ps(dst, c##r##l); _mm256_storeu_ps(dst + NR, c##r##h); \
+    } else { \
+        float tmp[NR16]; \
+        _mm256_storeu_ps(tmp, c##r##l); _mm256_storeu_ps(tmp + NR, c##r##h); \
+        memcpy(dst, tmp, (size_t)cols * sizeof(float)); \
+    } }
+#define KERNEL2(NAME, INIT, FMA, STORE) \
+    PANEL_KERNEL(NAME, NO_ATTR, __m256, _mm256_load_ps, NR16, PREFETCH_ROWS2, , INIT, \
+                 const __m256 b_high = _mm256_load_ps(row + NR); FMA, STORE)
+#define R6(M) M(0) M(1) M(2) M(3) M(4) M(5)
+KERNEL2(rows6w16, R6(ROW2_INIT), R6(ROW2_FMA), R6(ROW2_STORE))
+KERNEL2(rows4w16, R4(ROW2_INIT), R4(ROW2_FMA), R4(ROW2_STORE))
+KERNEL2(rows3w16, R3(ROW2_INIT), R3(ROW2_FMA), R3(ROW2_STORE))
+KERNEL2(rows2w16, R2(ROW2_INIT), R2(ROW2_FMA), R2(ROW2_STORE))
+KERNEL2(rows1w16, R1(ROW2_INIT), R1(ROW2_FMA), R1(ROW2_STORE))
+
+/* One family's row blocks for one panel (ROWS_<family>(k, xt, m, panel, b, c, ldc, cols), rows
+ * r .. m - 1 of xt and c): its widest kernel's blocks, then 8, 4 and the last 1-3 rows. */
+#define ROW_BLOCKS(BLOCK, BLOCK_KERNEL, K8, K4, K3, K2, K1) \
+    for (; r + BLOCK <= m; r += BLOCK) BLOCK_KERNEL(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); \
+    for (; r + 8 <= m; r += 8) K8(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); \
+    for (; r + 4 <= m; r += 4) K4(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); \
+    switch (m - r) { \
+        case 3: K3(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); break; \
+        case 2: K2(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); break; \
+        case 1: K1(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); break; \
+        default: break; \
+    }
+/* The AVX2 16-wide family: blocks of 6 rows, but 7 or 8 left go as 4 + 3 or 4 + 4 (a block of
+ * 1-2 rows keeps too few sums in flight): 16 rows are 6 + 6 + 4, 8 rows 4 + 4. */
+#define ROW_BLOCKS_W16 \
+    while (r < m) { \
+        int64_t left = m - r; \
+        int64_t rows = left == 7 || left == 8 ? 4 : left >= 6 ? 6 : left >= 4 ? 4 : left; \
+        float *cr = ca + r * ldc + c0; \
+        switch (rows) { \
+            case 6: rows6w16(k, xt + r, m, panel, b, cr, ldc, cols); break; \
+            case 4: rows4w16(k, xt + r, m, panel, b, cr, ldc, cols); break; \
+            case 3: rows3w16(k, xt + r, m, panel, b, cr, ldc, cols); break; \
+            case 2: rows2w16(k, xt + r, m, panel, b, cr, ldc, cols); break; \
+            default: rows1w16(k, xt + r, m, panel, b, cr, ldc, cols); break; \
+        } \
+        r += rows; \
+    }
+
 /* One family's driver: for each of `batch` (x, packed weight, bias, c), x transposed into `xt`
- * (k x m), then every panel against blocks of BLOCK rows (the family's widest kernel), then 8, 4
- * and the last 1-3 rows. A kernel reads its rows' inputs for one i from one row of xt, next to each
- * other: one pointer for all rows (x's 16 row pointers did not fit in registers and were reloaded
- * from the stack every i) and one cache line per i at 16 rows. */
-#define PANEL_DRIVER(NAME, ATTR, WIDTH, BLOCK, BLOCK_KERNEL, K8, K4, K3, K2, K1) \
+ * (k x m), then every panel against the family's row blocks. A kernel reads its rows' inputs for
+ * one i from one row of xt, next to each other: one pointer for all rows (x's 16 row pointers did
+ * not fit in registers and were reloaded from the stack every i) and one cache line per i at 16
+ * rows. */
+#define PANEL_DRIVER(NAME, ATTR, WIDTH, BLOCKS) \
 static ATTR void NAME(int64_t batch, int64_t m, int64_t n, int64_t k, \
                       const float *x, int64_t x_batch_stride, int64_t ldx, \
                       const float *packed, int64_t packed_batch_stride, \
@@ -128,36 +192,31 @@ static ATTR void NAME(int64_t batch, int64_t m, int64_t n, int64_t k, \
             int cols = n - c0 < WIDTH ? (int)(n - c0) : WIDTH; \
             const float *panel = wa + p * k * WIDTH, *b = ba ? ba + c0 : 0; \
             int64_t r = 0; \
-            for (; r + BLOCK <= m; r += BLOCK) BLOCK_KERNEL(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); \
-            for (; r + 8 <= m; r += 8) K8(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); \
-            for (; r + 4 <= m; r += 4) K4(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); \
-            switch (m - r) { \
-                case 3: K3(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); break; \
-                case 2: K2(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); break; \
-                case 1: K1(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); break; \
-                default: break; \
-            } \
+            BLOCKS \
         } \
     } \
 }
 
-PANEL_DRIVER(panel_gemm8, NO_ATTR, NR, 8, rows8, rows8, rows4, rows3, rows2, rows1)
-PANEL_DRIVER(panel_gemm16, AVX512, NR16, 16, rows16x16, rows8x16, rows4x16, rows3x16, rows2x16, rows1x16)
+PANEL_DRIVER(panel_gemm8, NO_ATTR, NR, ROW_BLOCKS(8, rows8, rows8, rows4, rows3, rows2, rows1))
+PANEL_DRIVER(panel_gemm8w16, NO_ATTR, NR16, ROW_BLOCKS_W16)
+PANEL_DRIVER(panel_gemm16, AVX512, NR16, ROW_BLOCKS(16, rows16x16, rows8x16, rows4x16, rows3x16, rows2x16, rows1x16))
 
 /* c (m x n, row stride ldc) = x (m x k, row stride ldx) times the weight packed `width` wide, plus
  * bias (padded to whole panels; NULL for none), for each of `batch` (x, packed weight, bias, c).
- * Width NR16 runs the AVX-512 kernels, which the caller has checked the CPU runs; NR the AVX2 ones.
- * Returns 0, or -1 (c untouched) when the transposed copy of x cannot be allocated. */
+ * Width NR runs the 8-wide AVX2 kernels; width NR16 the AVX-512 ones when `avx512` is set (the
+ * caller has checked the CPU runs them), else the 16-wide AVX2 ones. Returns 0, or -1 (c
+ * untouched) when the transposed copy of x cannot be allocated. */
 int comlrl_panel_gemm(int64_t batch, int64_t m, int64_t n, int64_t k,
                        const float *x, int64_t x_batch_stride, int64_t ldx,
                        const float *packed, int64_t packed_batch_stride,
                        const float *bias, int64_t bias_batch_stride,
-                       float *c, int64_t c_batch_stride, int64_t ldc, int64_t width) {
+                       float *c, int64_t c_batch_stride, int64_t ldc, int64_t width, int64_t avx512) {
     size_t bytes = ((size_t)(m * k) * sizeof(float) + 63) / 64 * 64;  /* aligned_alloc wants a multiple */
     float *xt = aligned_alloc(64, bytes ? bytes : 64);
     if (!xt) return -1;
-    (width == NR16 ? panel_gemm16 : panel_gemm8)(batch, m, n, k, x, x_batch_stride, ldx, packed, packed_batch_stride,
-                                                 bias, bias_batch_stride, c, c_batch_stride, ldc, xt);
+    (width == NR ? panel_gemm8 : avx512 ? panel_gemm16 : panel_gemm8w16)(
+        batch, m, n, k, x, x_batch_stride, ldx, packed, packed_batch_stride, bias, bias_batch_stride, c,
+        c_batch_stride, ldc, xt);
     free(xt);
     return 0;
 }

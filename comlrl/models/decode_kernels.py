@@ -15,10 +15,13 @@ C call per layer in place of ~40 small torch ops. A 2-agent medium-model samplin
 tokens): 410 -> 256 ms at K=4, 545 -> 404 ms at K=8 on the EPYC; on an Intel Xeon with AVX-512
 and AMX, against oneDNN's packed fp32 kernels, 243 -> 167 ms and 310 -> 256 ms.
 
-On CPUs with AVX-512 the products use 16-wide panels and up to 16 rows per pass (16 of the 32
-vector registers hold sums), so at 16 rows per agent each panel is read once. On the Xeon, one
+Panels are 16 wide by default. On AVX2 CPUs a pass takes 6 rows (12 of the 16 vector registers
+hold sums, where 8 x 8 kept the FMA units' latency with no slack): on the EPYC one K=8 sampling
+call's products 165 -> 148 ms, the prefill's ~114 rows 62 -> 78 GFLOP/s. On CPUs with AVX-512 a
+pass takes up to 16 rows (16 of the 32 vector registers hold sums), so at 16 rows per agent each
+panel is read once. On the Xeon, one
 step's projections 1.70 -> 1.14 ms at 16 rows per agent (89 -> 132 GFLOP/s) and 0.95 -> 0.80 ms
-at 8; the sampling call above 177 -> 161 ms (K=4) and 270 -> 230 ms (K=8), same tokens: both
+at 8; the sampling call above 177 -> 161 ms (K=4) and 270 -> 230 ms (K=8), same tokens: all
 kernel families sum in the same order, so their results are equal bit for bit.
 
 Around the products, each small torch op of a step cost 5-30 us in place (caches cold from
@@ -32,7 +35,7 @@ rows. On the Xeon, one 2-agent medium-model sampling call went 171 -> ~132 ms (K
 
 Where they run: fp32 tensors on the CPU with one torch thread (the kernels are single-threaded;
 with more threads MKL and oneDNN split the work instead), on a CPU with AVX2 and FMA, and the
-16-wide products where PyTorch reports AVX-512. The library is compiled once per machine with the
+AVX-512 products where PyTorch reports AVX-512. The library is compiled once per machine with the
 system C compiler (`cc -O3 -mavx2 -mfma`, about a second; the AVX-512 functions carry their own
 target attribute) into `$COMLRL_KERNEL_CACHE` (default `~/.cache/comlrl/kernels`); `make install`
 builds it. Without a compiler, or with `COMLRL_DECODE_KERNELS=0`, torch ops do all of this.
@@ -66,10 +69,12 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 _ALIGN_FLOATS = 16  # 64 bytes: the AVX2 kernels' aligned loads, a cache line per AVX-512 panel row
 
 
-#: Outputs per panel: 16 for the AVX-512 kernels (NR16 in decode_kernels.c) where PyTorch runs
-#: AVX-512 code (it checks the OS saves the registers too), else 8 for the AVX2 ones (NR).
-PANEL_WIDTHS = (8, 16) if cpu_capability() == "AVX512" else (8,)
-PANEL_WIDTH = PANEL_WIDTHS[-1]
+#: Outputs per panel: 8 (NR in decode_kernels.c, AVX2) or 16 (NR16), the default, which runs the
+#: AVX-512 kernels where PyTorch runs AVX-512 code (it checks the OS saves the registers too), else
+#: 16-wide AVX2 ones. Every family gives the same results, bit for bit.
+PANEL_WIDTHS = (8, 16)
+PANEL_WIDTH = 16
+AVX512_PANELS = cpu_capability() == "AVX512"
 
 
 def cache_dir() -> Path:
@@ -138,7 +143,7 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_pack_panels.argtypes = [pointer, i64, i64, i64, pointer, i64]
     lib.comlrl_pack_panels.restype = None
     lib.comlrl_panel_gemm.argtypes = [i64, i64, i64, i64, pointer, i64, i64, pointer, i64, pointer, i64,
-                                      pointer, i64, i64, i64]
+                                      pointer, i64, i64, i64, i64]
     lib.comlrl_panel_gemm.restype = ctypes.c_int
     lib.comlrl_decode_attention.argtypes = [i64, i64, i64, i64, i64, pointer, i64, pointer, pointer, i64, pointer,
                                             pointer, i64, i64, pointer, i64, ctypes.c_float, pointer, pointer]
@@ -328,16 +333,20 @@ def _aligned_empty(floats: int) -> torch.Tensor:
 class PanelWeights:
     """Several agents' weights of one projection (each (out, in), fp32, on the CPU), packed once for
     the kernel: `(A, rows, in) -> (A, rows, out)`, agent a's rows through agent a's weight, plus its
-    bias. `width`: the panel width, which picks the kernels (`PANEL_WIDTHS`; default the widest this
-    CPU runs). Both widths give the same results, bit for bit."""
+    bias. `width`: the panel width, which picks the kernels (`PANEL_WIDTHS`, default `PANEL_WIDTH`);
+    `avx512`: whether 16-wide panels run the AVX-512 kernels (default: where the CPU has them; tests
+    set it to run the AVX2 ones there too). Every choice gives the same results, bit for bit."""
 
     def __init__(self, weights: List[torch.Tensor], biases: Optional[List[torch.Tensor]] = None,
-                 width: Optional[int] = None):
+                 width: Optional[int] = None, avx512: Optional[bool] = None):
         lib = library()
         assert lib is not None, "PanelWeights needs the kernel: check decode_kernels.runs() first"
         self.width = width or PANEL_WIDTH
         if self.width not in PANEL_WIDTHS:
-            raise ValueError(f"panel width {self.width}: this CPU runs {PANEL_WIDTHS}")
+            raise ValueError(f"panel width {self.width}: the kernels take {PANEL_WIDTHS}")
+        if avx512 and not AVX512_PANELS:
+            raise ValueError("the AVX-512 kernels need a CPU on which PyTorch runs AVX-512 code")
+        self.avx512 = self.width == 16 and (AVX512_PANELS if avx512 is None else avx512)
         self.count = len(weights)
         self.out_features, self.in_features = weights[0].shape
         panels = -(-self.out_features // self.width)
@@ -374,7 +383,7 @@ class PanelWeights:
             raise ValueError(f"PanelWeights output must be a contiguous float32 {(agents, rows, n)} tensor, "
                              f"got {tuple(out.shape)} {out.dtype}")
         if self._gemm(agents, rows, n, width, x.data_ptr(), rows * width, width, *self._weight_args,
-                      out.data_ptr(), rows * n, n, self.width):
+                      out.data_ptr(), rows * n, n, self.width, int(self.avx512)):
             raise MemoryError(f"decode_kernels: no memory for a {rows} x {width} copy of the projection's input")
         return out
 
