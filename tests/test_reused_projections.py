@@ -35,12 +35,13 @@ def _perturbed(model, seed: int):
 
 def _teacher_forced_records(models, prompt_ids, prompt_mask, completions, k):
     """Each model's ProjectionRecord of a decode that feeds `completions` (rows, T) after the
-    prompts, as `rollout._decode` runs it (all models stacked, one step per token)."""
+    prompts, as `rollout._decode` runs it (all models stacked, one step per token), recording every
+    projection (the trainer records `lean.RECORDED_PROJECTIONS`), so that each replay is tested."""
     with torch.no_grad():
         decoder = StackedLeanDecoder([lean_decoder_for(m) for m in models])
         assert decoder.can_record
         count, (prompts, width), steps = len(models), prompt_ids.shape, completions.shape[1]
-        record = _StackedRecord(decoder, prompts * width, prompts * k, steps)
+        record = _StackedRecord(decoder, prompts * width, prompts * k, steps, projections=lean.PROJECTIONS)
         _, cache = decoder.prefill(prompt_ids.repeat(count, 1), prompt_mask.repeat(count, 1), k, steps, record)
         rows_mask = torch.cat([prompt_mask.repeat_interleave(k, dim=0), torch.ones(prompts * k, steps, dtype=torch.long)], 1)
         bias = decoder.attention_bias(rows_mask.repeat(count, 1))
@@ -134,8 +135,10 @@ def test_sampling_records_what_the_update_recomputes(tiny_model_dir):
             for got, want in zip(grads, expected_grads):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     # Step buffers return to a spare set once every agent of their call released its record.
+    recorded = lean.PROJECTIONS.index(lean.RECORDED_PROJECTIONS[0])
+
     def buffer(agent_samples):
-        return agent_samples.recorded.steps[0][0].untyped_storage().data_ptr()
+        return agent_samples.recorded.steps[0][recorded].untyped_storage().data_ptr()
 
     first = buffer(samples[0])
     samples[0].recorded.release()
@@ -146,7 +149,7 @@ def test_sampling_records_what_the_update_recomputes(tiny_model_dir):
     assert buffer(third[0]) == first
     for fresh, reused in zip(second, third):  # a call on reused buffers records what a fresh one does
         written = fresh.completion_ids.shape[1] - 1  # steps this agent's tokens went through
-        assert torch.equal(reused.recorded.steps[0][0][:written], fresh.recorded.steps[0][0][:written])
+        assert torch.equal(reused.recorded.steps[0][recorded][:written], fresh.recorded.steps[0][recorded][:written])
     for s in second + third:
         s.recorded.release()
 

@@ -27,7 +27,7 @@ import functools
 import os
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -386,11 +386,12 @@ REUSE_SAMPLING_PROJECTIONS = os.environ.get("COMLRL_REUSE_SAMPLING_PROJECTIONS",
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 #: The projections sampling records. Each recorded one costs memory from the sampling call to the
-#: update (the S-medium benchmark's peak RSS: 583 MB recording none, 596 MB QKV and down, 607 MB
-#: gate/up and down, 620 MB all four, against CoMLRL's 614 MB) and saves its product in the loss
-#: forward: QKV and down save 44% of the forward's multiply-adds in 37% of the record's bytes
-#: (down has twice the inputs per output of the others).
-RECORDED_PROJECTIONS = ("qkv", "down")
+#: update and saves its product in the loss forward. Measured on an AVX2 EPYC, peak RSS of the
+#: S-medium benchmark (CoMLRL's: 612 MB) and the L benchmark's time against recording QKV and down
+#: (596 MB): gate/up and down 603-606 MB, L 0.9 s faster; QKV, output and down ~600 MB, no faster;
+#: all four 617-620 MB, L 1.1 s faster; none 583 MB. Gate/up, the widest output, saves the most
+#: after down, which has twice the inputs per output of the others.
+RECORDED_PROJECTIONS = ("gate_up", "down")
 
 
 class ProjectionRecord:
@@ -455,16 +456,17 @@ class ProjectionRecord:
 
 class _StackedRecord:
     """The ProjectionRecords of a StackedLeanDecoder's agents while it decodes: per layer, per
-    projection (`PROJECTIONS`; None where not in `RECORDED_PROJECTIONS`), `prompt` holds the
+    projection (`PROJECTIONS`; None where not in `projections`), `prompt` holds the
     prefill's (agents, prompts * width, features) outputs and `steps` the steps' (max_new, agents,
     rows, features), step t's slice contiguous for the panel kernel to write into."""
 
     _spare_steps: Dict[tuple, list] = {}  # step buffers of released records, by shape
     _lock = threading.Lock()
 
-    def __init__(self, decoder: "StackedLeanDecoder", prompt_tokens: int, rows: int, max_new_tokens: int):
+    def __init__(self, decoder: "StackedLeanDecoder", prompt_tokens: int, rows: int, max_new_tokens: int,
+                 projections: Sequence[str] = RECORDED_PROJECTIONS):
         layer = decoder.layers[0]
-        features = [p.panels.out_features if name in RECORDED_PROJECTIONS else None
+        features = [p.panels.out_features if name in projections else None
                     for name, p in zip(PROJECTIONS, (layer.qkv, layer.o, layer.gate_up, layer.down))]
         agents = self.agents = decoder.count
         self.prompt = [tuple(None if n is None else torch.empty(agents, prompt_tokens, n) for n in features)
