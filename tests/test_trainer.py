@@ -337,14 +337,17 @@ def test_the_cpu_suite_runs_with_gpus_hidden():
 
 
 def test_gradient_buffers_are_kept_but_unused_parameters_are_not_stepped():
-    """Gradients are zeroed in place between minibatches (their buffers are reused), yet a
+    """Gradient buffers are allocated up front and zeroed in place between minibatches (reused), yet a
     parameter the loss did not use is skipped by the optimizer, as with gradients set to None:
     AdamW would otherwise move it by its momentum on a zero gradient."""
     from comlrl.trainers.reinforce import magrpo
 
     used, sometimes = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
-    optimizer = torch.optim.AdamW([used, sometimes], lr=0.1)
-    buffers = []
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    optimizer = torch.optim.AdamW([used, sometimes, frozen], lr=0.1)
+    magrpo._allocate_gradients(optimizer)  # as the trainer does before its first rollout
+    assert frozen.grad is None and torch.equal(used.grad, torch.zeros(3))
+    buffers = [used.grad.data_ptr()]
     for uses_both in (True, False, False):
         kept = magrpo._zero_gradients(optimizer)
         loss = (used * 2).sum() + ((sometimes * 3).sum() if uses_both else 0)
@@ -356,4 +359,4 @@ def test_gradient_buffers_are_kept_but_unused_parameters_are_not_stepped():
         assert torch.equal(used.grad, torch.full((3,), 2.0))
         if not uses_both:
             assert sometimes.grad is None and torch.equal(sometimes.detach(), before)
-    assert buffers[0] == buffers[1] == buffers[2]
+    assert buffers[0] == buffers[1] == buffers[2] == buffers[3]

@@ -386,12 +386,13 @@ REUSE_SAMPLING_PROJECTIONS = os.environ.get("COMLRL_REUSE_SAMPLING_PROJECTIONS",
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 #: The projections sampling records. Each recorded one costs memory from the sampling call to the
-#: update and saves its product in the loss forward. Measured on an AVX2 EPYC, peak RSS of the
-#: S-medium benchmark (CoMLRL's: 612 MB) and the L benchmark's time against recording QKV and down
-#: (596 MB): gate/up and down 603-606 MB, L 0.9 s faster; QKV, output and down ~600 MB, no faster;
-#: all four 617-620 MB, L 1.1 s faster; none 583 MB. Gate/up, the widest output, saves the most
-#: after down, which has twice the inputs per output of the others.
-RECORDED_PROJECTIONS = ("gate_up", "down")
+#: update and saves its product in the loss forward. Measured on an AVX2 EPYC (fp32; gradient
+#: buffers allocated up front, see `magrpo._allocate_gradients`), the S-medium benchmark's peak
+#: RSS (CoMLRL's: 608-612 MB): gate/up and down 598-601 MB; with the output projection too, the
+#: same, and `profile.py`'s L forward phase 1.86 -> 1.58 s; with QKV too, 605-606 MB; all four
+#: 609-611 MB. Recording QKV and down instead of gate/up and down made L 0.9 s slower: gate/up,
+#: the widest output, saves the most after down (twice the inputs per output of the others).
+RECORDED_PROJECTIONS = ("o", "gate_up", "down")
 
 
 class ProjectionRecord:

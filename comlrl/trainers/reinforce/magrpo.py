@@ -177,6 +177,18 @@ def _adamw(agent, learning_rate: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=learning_rate, fused=True if fused else None)
 
 
+def _allocate_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Give every trainable parameter its gradient buffer now, zeroed, before the first rollout
+    allocates anything. The buffers live for the whole run (`_zero_gradients`); allocated by the
+    first backward pass instead, they land among that pass's activations and the sampling call's
+    buffers on the CPU heap, and the memory around them cannot be given back: S-medium benchmark,
+    fp32, peak RSS 604-607 -> 598-601 MB (AVX2 EPYC)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+
 def _zero_gradients(optimizer: torch.optim.Optimizer) -> Dict[int, int]:
     """Zero the gradients in place, keeping their buffers from one minibatch to the next; returns
     each zeroed gradient's version, for `_drop_unused_gradients`.
@@ -318,6 +330,8 @@ class MAGRPOTrainer:
                              f"{a.num_generations ** self.num_agents} joint actions per prompt; use 'aligned' or fewer generations.")
 
         self.optimizers = [_adamw(agent, a.agent_learning_rate) for agent in self.agents]
+        for optimizer in self.optimizers:
+            _allocate_gradients(optimizer)
         self.sampling = SamplingSettings(a.num_generations, a.max_new_tokens, a.temperature, a.top_p, a.top_k)
         self.joint_index = joint_action_indices(self.num_agents, a.num_generations, a.joint_mode)
         if completions_path is None and metrics_path is not None and a.log_completions:
