@@ -8,8 +8,8 @@
  * against 4 rows x 24 outputs, which reads each panel twice for 8 rows: one medium-model step's
  * projections, weights out of cache, 1.54 -> 1.30 ms with 8 rows per agent, 3.1-3.6 -> 2.5 ms with
  * 16.) A row's sums run over k in order, the same whatever the number of rows, so a row's result
- * does not depend on the batch it is in. The default since is 16-wide panels (below), which give
- * the same results bit for bit.
+ * does not depend on the batch it is in. 16-wide panels (below) are now the default; they give the
+ * same results bit for bit.
  *
  * Built with -mavx2 -mfma; the loader checks that the CPU has both before it loads the library, and
  * uses the AVX-512 kernels below only where torch reports AVX-512.
@@ -140,8 +140,8 @@ KERNEL2(rows3w16, R3(ROW2_INIT), R3(ROW2_FMA), R3(ROW2_STORE))
 KERNEL2(rows2w16, R2(ROW2_INIT), R2(ROW2_FMA), R2(ROW2_STORE))
 KERNEL2(rows1w16, R1(ROW2_INIT), R1(ROW2_FMA), R1(ROW2_STORE))
 
-/* One family's row blocks for one panel (ROWS_<family>(k, xt, m, panel, b, c, ldc, cols), rows
- * r .. m - 1 of xt and c): its widest kernel's blocks, then 8, 4 and the last 1-3 rows. */
+/* The statements that run one panel against rows r .. m - 1 (the driver's locals below): the
+ * family's widest kernel's blocks, then blocks of 8 and 4, then the last 1-3 rows. */
 #define ROW_BLOCKS(BLOCK, BLOCK_KERNEL, K8, K4, K3, K2, K1) \
     for (; r + BLOCK <= m; r += BLOCK) BLOCK_KERNEL(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); \
     for (; r + 8 <= m; r += 8) K8(k, xt + r, m, panel, b, ca + r * ldc + c0, ldc, cols); \

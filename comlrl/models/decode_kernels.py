@@ -19,9 +19,8 @@ Panels are 16 wide by default. On AVX2 CPUs a pass takes 6 rows (12 of the 16 ve
 hold sums, where 8 x 8 kept the FMA units' latency with no slack): on the EPYC one K=8 sampling
 call's products 165 -> 148 ms, the prefill's ~114 rows 62 -> 78 GFLOP/s. On CPUs with AVX-512 a
 pass takes up to 16 rows (16 of the 32 vector registers hold sums), so at 16 rows per agent each
-panel is read once. On the Xeon, one
-step's projections 1.70 -> 1.14 ms at 16 rows per agent (89 -> 132 GFLOP/s) and 0.95 -> 0.80 ms
-at 8; the sampling call above 177 -> 161 ms (K=4) and 270 -> 230 ms (K=8), same tokens: all
+panel is read once. On the Xeon, one step's projections 1.70 -> 1.14 ms at 16 rows per agent
+(89 -> 132 GFLOP/s) and 0.95 -> 0.80 ms at 8; the sampling call above 177 -> 161 ms (K=4) and 270 -> 230 ms (K=8), same tokens: all
 kernel families sum in the same order, so their results are equal bit for bit.
 
 Around the products, each small torch op of a step cost 5-30 us in place (caches cold from
