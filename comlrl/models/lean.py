@@ -221,7 +221,7 @@ class StackedLeanDecoder:
             qkv = layer.qkv(_cast(x, low), outs[0]).view(total_prompts, width, -1)
             query_key, value = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             query_key = training_ops.rotate_pairs(query_key.view(total_prompts, width, self.num_heads + kv, dim), rotation)
-            if record is not None:  # the record keeps queries and keys rotated, as a decode step leaves them
+            if outs[0] is not None:  # a recorded QKV keeps queries and keys rotated, as a decode step leaves them
                 qkv[..., : self.q_size + self.kv_size] = query_key.view(total_prompts, width, -1)
             query, key = query_key.to(att).split([self.num_heads, kv], dim=2)
             key = key.permute(0, 2, 3, 1).contiguous()  # (agents * prompts, kv, D, W): the cache's layout
