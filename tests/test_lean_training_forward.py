@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from comlrl.losses import _transformers_shared_prompt_logits, completion_mask, shared_prompt_token_logprobs
-from comlrl.models import onednn
+from comlrl.models import decode_kernels, onednn, training_ops
 from comlrl.models.lean import shared_prompt_logits
 from comlrl.precision import autocast, training_attention
 
@@ -60,8 +60,18 @@ def _both(model, steps, dtype):
 @pytest.mark.parametrize("products", ["f-linear", "onednn"])
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("steps", [9, 1])
-def test_lean_forward_matches_the_model_in_fp32(name, steps, products, monkeypatch):
-    """fp32 projections run through `F.linear` (small weights, as here) or oneDNN (forced here)."""
+@pytest.mark.parametrize("elementwise", ["c-kernels", "torch"])
+def test_lean_forward_matches_the_model_in_fp32(name, steps, products, elementwise, monkeypatch):
+    """fp32 projections run through `F.linear` (small weights, as here) or oneDNN (forced here); the
+    attention, norms and rotary embedding through the C kernels (`decode_kernels`, where they run
+    here) or torch ops."""
+    if elementwise == "c-kernels":
+        if not decode_kernels.runs(torch.zeros(1)):
+            pytest.skip("the C kernels do not run here")
+        calls, fused = [], training_ops.shared_prefix_attention
+        monkeypatch.setattr(training_ops, "shared_prefix_attention", lambda *a: calls.append(1) or fused(*a))
+    else:
+        monkeypatch.setattr(decode_kernels, "runs", lambda tensor: False)
     if products == "onednn":
         if not onednn.AVAILABLE:
             pytest.skip("this torch build has no oneDNN")
@@ -69,6 +79,8 @@ def test_lean_forward_matches_the_model_in_fp32(name, steps, products, monkeypat
         monkeypatch.setattr(onednn, "FP32_THROUGH_ONEDNN", True)  # also on a CPU without AVX-512
     lean, reference, lean_grads, reference_grads = _both(MODELS[name](), steps, None)
     assert lean.shape == reference.shape == (6, steps, 97)
+    if elementwise == "c-kernels":
+        assert calls, "the fp32 forward did not run the fused attention"
     assert torch.allclose(lean, reference, atol=1e-5, rtol=1e-5)
     for a, b in zip(lean_grads, reference_grads):
         # fp32 rounding: sums run in another order (cancelling ones, e.g. key-bias gradients, lose

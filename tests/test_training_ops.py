@@ -153,3 +153,76 @@ def test_c_kernels_compute_the_fp32_pieces_as_the_torch_ops_do(piece, monkeypatc
     torch.testing.assert_close(with_kernels, with_torch, rtol=1e-5, atol=1e-5)
     for got, expected in zip(kernel_grads, torch_grads):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def _attention_inputs(prompts, width, k, steps, heads, kv_heads, head_dim, padding, seed):
+    """Rotated queries/keys and values of `prompts` left-padded prompts and their K rows, with the
+    masks `lean.shared_prompt_logits` builds for both attention paths."""
+    from comlrl.models import lean
+
+    generator = torch.Generator().manual_seed(seed)
+    tokens = prompts * width + prompts * k * steps
+    mask = torch.ones(prompts, width, dtype=torch.long)
+    for prompt, pad in enumerate(padding):
+        mask[prompt, :pad] = 0
+    real = mask.bool()
+    prompt_bias = lean._prompt_bias(mask, torch.float32)
+    prefix_bias = torch.zeros(prompts, 1, width).masked_fill_(~real[:, None, :], float("-inf"))
+    completion_bias = torch.zeros(prompts, steps, width + steps)
+    completion_bias[:, :, :width].masked_fill_(~real[:, None, :], float("-inf"))
+    completion_bias[:, :, width:].masked_fill_(~torch.ones(steps, steps, dtype=torch.bool).tril(), float("-inf"))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator) * 2
+    shape = training_ops.AttentionShape(prompts, width, k, steps, heads, kv_heads, head_dim)
+    return qkv, shape, prompt_bias, prefix_bias, completion_bias[:, None, None, None]
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", [
+    dict(prompts=1, width=12, k=4, steps=9, heads=4, kv_heads=2, head_dim=16, padding=[3]),
+    dict(prompts=3, width=9, k=2, steps=17, heads=6, kv_heads=2, head_dim=8, padding=[2, 0, 8]),  # 8: one real token
+    dict(prompts=2, width=5, k=3, steps=1, heads=4, kv_heads=4, head_dim=8, padding=[0, 1]),  # MHA, one step
+    dict(prompts=2, width=5, k=2, steps=0, heads=4, kv_heads=1, head_dim=8, padding=[1, 0]),  # prompts only
+])
+def test_fused_attention_computes_the_composed_attention_and_its_gradients(layout, monkeypatch):
+    """In fp32 with the C kernels, the training forward's attention is one autograd node whose
+    softmax and masks are C passes (`shared_prefix_attention`); its output and the gradients of the
+    queries, keys and values agree with the torch composition it replaces to float rounding."""
+    from comlrl.models import lean
+
+    qkv, shape, prompt_bias, prefix_bias, completion_bias = _attention_inputs(**layout, seed=11)
+    heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
+    calls, original = [], decode_kernels.attention_softmax_backward
+    monkeypatch.setattr(decode_kernels, "attention_softmax_backward", lambda *a: calls.append(1) or original(*a))
+    results = []
+    for fused in (True, False):
+        leaf = qkv.clone().requires_grad_()
+        query_key, value = leaf.split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
+        query_key = query_key.reshape(-1, heads + kv_heads, head_dim).contiguous()  # as the rotary returns it
+        value = value.view(-1, kv_heads, head_dim)  # strided, as split from the QKV output
+        if fused:
+            out = training_ops.shared_prefix_attention(query_key, value, prompt_bias.view(shape.prompts, shape.width, -1),
+                                                       prefix_bias, shape, head_dim ** -0.5)
+        else:
+            out = lean._composed_attention(query_key, value, shape, prompt_bias, completion_bias, head_dim ** -0.5,
+                                           torch.float32)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        results.append((out.detach(), leaf.grad))
+    assert calls, "the fused attention's backward did not run the C softmax kernel"
+    (fused_out, fused_grad), (composed_out, composed_grad) = results
+    assert fused_out.shape == (qkv.shape[0], heads * head_dim)
+    torch.testing.assert_close(fused_out, composed_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_grad, composed_grad, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_attention_softmax_masks_causally_and_sums_to_one():
+    """The C softmax: a completion query at step s sees its prompt's real tokens and its own tokens
+    0 .. s; the rest get probability 0 (exactly), the seen ones sum to 1."""
+    blocks, steps, width = 2, 5, 4
+    prefix, own = torch.randn(blocks, steps, width), torch.randn(blocks, steps, steps)
+    bias = torch.tensor([[[float("-inf"), 0.0, 0.0, 0.0]]])
+    decode_kernels.attention_softmax(prefix, own, blocks, steps, bias, 0.5)
+    assert bool((prefix[..., 0] == 0).all())
+    seen = torch.ones(steps, steps, dtype=torch.bool).tril()
+    assert bool((own[:, ~seen] == 0).all()) and bool((own[:, seen] > 0).all())
+    torch.testing.assert_close(prefix.sum(-1) + own.sum(-1), torch.ones(blocks, steps))

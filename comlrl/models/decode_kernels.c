@@ -678,3 +678,141 @@ void comlrl_rotate(int64_t rows, int64_t heads, int64_t dim, const float *x, int
             rotate_head(x + r * x_row_stride + h * dim, rot, sign, half, out + (r * heads + h) * dim);
     }
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * The training pass's attention softmax (`training_ops.shared_prefix_attention`). Scores come from
+ * batched matmuls in blocks; row i of block b is one query (its position p = i % period) and has
+ * two parts: `width` columns against the prompt's keys (prefix: row at prefix + (b * rows + i) *
+ * width, additive bias row at bias + (b / bias_div) * bias_block_stride + p * bias_row_stride) and
+ * `own_len` columns against the row's own tokens (own: row at own + (b * rows + i) * own_len, 0
+ * columns for a prompt's queries), of which the first p + 1 are seen (causal) and the rest are 0
+ * in the probabilities. One softmax spans both parts; the probabilities overwrite the scores, so
+ * no concatenation, bias tensor or mask pass is made.
+ */
+
+/* x[0 .. n-1] = x * scale + (bias ? bias : 0), the running maximum updated (masked tail). */
+static inline __m256 scale_bias_max(float *x, const float *bias, int64_t n, __m256 scale, __m256 vmax) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 s = _mm256_loadu_ps(x + j);
+        s = bias ? _mm256_fmadd_ps(s, scale, _mm256_loadu_ps(bias + j)) : _mm256_mul_ps(s, scale);
+        _mm256_storeu_ps(x + j, s);
+        vmax = _mm256_max_ps(vmax, s);
+    }
+    if (j < n) {
+        const __m256i mask = first_lanes(n - j);
+        __m256 s = _mm256_maskload_ps(x + j, mask);
+        s = bias ? _mm256_fmadd_ps(s, scale, _mm256_maskload_ps(bias + j, mask)) : _mm256_mul_ps(s, scale);
+        _mm256_maskstore_ps(x + j, mask, s);
+        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, _mm256_castsi256_ps(mask)));
+    }
+    return vmax;
+}
+
+/* x[0 .. n-1] = e^(x - shift), their sum added to vsum (masked tail). */
+static inline __m256 exp_shifted_sum(float *x, int64_t n, __m256 shift, __m256 vsum) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift));
+        _mm256_storeu_ps(x + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    if (j < n) {
+        const __m256i mask = first_lanes(n - j);
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(x + j, mask), shift)),
+                                       _mm256_castsi256_ps(mask));
+        _mm256_maskstore_ps(x + j, mask, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    return vsum;
+}
+
+static inline void scale_in_place(float *x, int64_t n, float factor) {
+    const __m256 f = _mm256_set1_ps(factor);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), f));
+    for (; j < n; j++) x[j] *= factor;
+}
+
+static inline float lanes_max(__m256 v) {
+    float lanes[8], top = -INFINITY;
+    _mm256_storeu_ps(lanes, v);
+    for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+    return top;
+}
+
+static inline float lanes_sum(__m256 v) {
+    float lanes[8], total = 0.0f;
+    _mm256_storeu_ps(lanes, v);
+    for (int i = 0; i < 8; i++) total += lanes[i];
+    return total;
+}
+
+void comlrl_attention_softmax(int64_t blocks, int64_t rows, int64_t period, float *prefix, int64_t width,
+                              const float *bias, int64_t bias_div, int64_t bias_block_stride, int64_t bias_row_stride,
+                              float *own, int64_t own_len, float scale) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *block_bias = bias + (b / bias_div) * bias_block_stride;
+        for (int64_t i = 0; i < rows; i++) {
+            const int64_t position = i % period, row = b * rows + i;
+            float *p = prefix + row * width, *o = own_len ? own + row * own_len : 0;
+            const int64_t seen = o ? position + 1 : 0;
+            __m256 vmax = scale_bias_max(p, block_bias + position * bias_row_stride, width, vscale,
+                                         _mm256_set1_ps(-INFINITY));
+            if (seen) vmax = scale_bias_max(o, 0, seen, vscale, vmax);
+            const __m256 shift = _mm256_set1_ps(lanes_max(vmax));
+            __m256 vsum = exp_shifted_sum(p, width, shift, _mm256_setzero_ps());
+            if (seen) vsum = exp_shifted_sum(o, seen, shift, vsum);
+            const float inverse = 1.0f / lanes_sum(vsum);
+            scale_in_place(p, width, inverse);
+            if (o) {
+                scale_in_place(o, seen, inverse);
+                memset(o + seen, 0, (size_t)(own_len - seen) * sizeof(float));
+            }
+        }
+    }
+}
+
+/* Sum over j < n of probs[j] * grad[j] (8 lanes, masked tail). */
+static inline __m256 dot_lanes(const float *probs, const float *grad, int64_t n, __m256 acc) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(probs + j), _mm256_loadu_ps(grad + j), acc);
+    if (j < n) {
+        const __m256i mask = first_lanes(n - j);
+        acc = _mm256_fmadd_ps(_mm256_maskload_ps(probs + j, mask), _mm256_maskload_ps(grad + j, mask), acc);
+    }
+    return acc;
+}
+
+/* grad[j] = probs[j] * (grad[j] - dot) * scale for j < n. */
+static inline void softmax_grad(const float *probs, float *grad, int64_t n, float dot, float scale) {
+    const __m256 vdot = _mm256_set1_ps(dot), vscale = _mm256_set1_ps(scale);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(grad + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(probs + j),
+                                                               _mm256_sub_ps(_mm256_loadu_ps(grad + j), vdot)), vscale));
+    for (; j < n; j++) grad[j] = probs[j] * (grad[j] - dot) * scale;
+}
+
+/* The backward pass of comlrl_attention_softmax with the layout above: given the probabilities and
+ * the gradient with respect to them (overwritten), the gradient with respect to the raw scores,
+ * probs * (grad - sum(probs * grad)) * scale; 0 at the own columns a query does not see. */
+void comlrl_attention_softmax_backward(int64_t blocks, int64_t rows, int64_t period, const float *prefix_probs,
+                                       float *prefix_grad, int64_t width, const float *own_probs, float *own_grad,
+                                       int64_t own_len, float scale) {
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t i = 0; i < rows; i++) {
+            const int64_t row = b * rows + i, seen = own_len ? i % period + 1 : 0;
+            const float *pp = prefix_probs + row * width, *op = own_len ? own_probs + row * own_len : 0;
+            float *pg = prefix_grad + row * width, *og = own_len ? own_grad + row * own_len : 0;
+            __m256 acc = dot_lanes(pp, pg, width, _mm256_setzero_ps());
+            if (seen) acc = dot_lanes(op, og, seen, acc);
+            const float dot = lanes_sum(acc);
+            softmax_grad(pp, pg, width, dot, scale);
+            if (og) {
+                softmax_grad(op, og, seen, dot, scale);
+                memset(og + seen, 0, (size_t)(own_len - seen) * sizeof(float));
+            }
+        }
+}

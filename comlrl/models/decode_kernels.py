@@ -164,6 +164,12 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_draw_tokens.restype = None
     lib.comlrl_rotate.argtypes = [i64, i64, i64, pointer, i64, pointer, i64, pointer]
     lib.comlrl_rotate.restype = None
+    lib.comlrl_attention_softmax.argtypes = [i64, i64, i64, pointer, i64, pointer, i64, i64, i64, pointer, i64,
+                                             ctypes.c_float]
+    lib.comlrl_attention_softmax.restype = None
+    lib.comlrl_attention_softmax_backward.argtypes = [i64, i64, i64, pointer, pointer, i64, pointer, pointer, i64,
+                                                      ctypes.c_float]
+    lib.comlrl_attention_softmax_backward.restype = None
     _library = lib
     return lib
 
@@ -320,6 +326,51 @@ def draw_tokens(logits: torch.Tensor, uniforms: torch.Tensor, top_k: int, temper
     library().comlrl_draw_tokens(rows, vocab, logits.data_ptr(), logits.stride(0), uniforms.data_ptr(), top_k,
                                  temperature, top_p, out.data_ptr(), values.data_ptr(), ids.data_ptr(), cdf.data_ptr())
     return out
+
+
+def _score_blocks(prefix: torch.Tensor, own: Optional[torch.Tensor], blocks: int) -> Tuple[int, int, int]:
+    """(rows, width, own_len) of `attention_softmax`'s score layout, checked: `prefix` holds `blocks`
+    blocks of (rows, width) and `own`, if given, the same rows of own_len, both contiguous fp32."""
+    width = prefix.shape[-1]
+    rows = prefix.numel() // (blocks * width) if blocks and width else 0
+    own_len = 0 if own is None else own.shape[-1]
+    for t in (prefix,) if own is None else (prefix, own):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError("decode_kernels.attention_softmax needs contiguous fp32 scores")
+    if prefix.numel() != blocks * rows * width or (own is not None and own.numel() != blocks * rows * own_len):
+        raise ValueError("decode_kernels.attention_softmax: the score blocks do not have the same rows")
+    return rows, width, own_len
+
+
+def attention_softmax(prefix: torch.Tensor, own: Optional[torch.Tensor], blocks: int, period: int,
+                      bias: torch.Tensor, scale: float) -> None:
+    """The training attention's softmax, in place (see `comlrl_attention_softmax`): `prefix` holds
+    `blocks` blocks of (rows, width) raw scores against a prompt's keys, `own` (or None) the same
+    rows' (rows, own_len) scores against their own tokens, causal by position (row % `period`).
+    `bias` (bias_blocks, period or 1, width) is additive over the prefix columns: block b reads
+    bias block b // (blocks // bias_blocks), row position (or its one row). Scores become
+    `scale * score + bias`, then probabilities over both parts."""
+    rows, width, own_len = _score_blocks(prefix, own, blocks)
+    bias_blocks, bias_rows = bias.shape[0], bias.shape[1]
+    if (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape[-1] != width or bias.dim() != 3
+            or bias_rows not in (1, period) or blocks % bias_blocks):
+        raise ValueError("decode_kernels.attention_softmax needs a contiguous fp32 bias (bias_blocks, period or 1, width)")
+    library().comlrl_attention_softmax(blocks, rows, period, prefix.data_ptr(), width, bias.data_ptr(),
+                                       blocks // bias_blocks, bias_rows * width, 0 if bias_rows == 1 else width,
+                                       None if own is None else own.data_ptr(), own_len, scale)
+
+
+def attention_softmax_backward(prefix_probs: torch.Tensor, prefix_grad: torch.Tensor, own_probs: Optional[torch.Tensor],
+                               own_grad: Optional[torch.Tensor], blocks: int, period: int, scale: float) -> None:
+    """The backward pass of `attention_softmax`, in place: the gradients with respect to the
+    probabilities (`prefix_grad`, `own_grad`, laid out as the probabilities) become those with
+    respect to the raw scores."""
+    rows, width, own_len = _score_blocks(prefix_probs, own_probs, blocks)
+    if _score_blocks(prefix_grad, own_grad, blocks) != (rows, width, own_len):
+        raise ValueError("decode_kernels.attention_softmax_backward: gradients and probabilities differ in layout")
+    library().comlrl_attention_softmax_backward(blocks, rows, period, prefix_probs.data_ptr(), prefix_grad.data_ptr(),
+                                                width, None if own_probs is None else own_probs.data_ptr(),
+                                                None if own_grad is None else own_grad.data_ptr(), own_len, scale)
 
 
 def _aligned_empty(floats: int) -> torch.Tensor:

@@ -554,6 +554,9 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
       model's dtype, as under autocast;
     * the backward pass keeps no copy of a weight nor the inputs it can recompute cheaply
       (`training_ops.norm_linear`, `training_ops.swiglu_linear`);
+    * in fp32 where the C kernels run, the attention is one autograd node whose softmax, masks and
+      softmax backward are C passes over the scores in place (`training_ops.shared_prefix_attention`;
+      elsewhere `_composed_attention`, the same products from torch ops);
     * with `replayed` (`ProjectionRecord.replayed` for these tokens, made with these parameters),
       the layers' projections are not multiplied again but taken from the sampling pass.
     """
@@ -564,7 +567,6 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     dtype = inner.embed_tokens.weight.dtype
     low = compute_dtype or dtype
     heads, kv_heads, head_dim = _head_shape(model.config)
-    group = heads // kv_heads
     prompts, width = prompt_ids.shape
     rows, steps = completion_ids.shape[0], completion_ids.shape[1] - 1  # the last token is only predicted
     k = group_size
@@ -579,15 +581,22 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     rotation = _rotation_table(inner.rotary_emb, inner.embed_tokens.weight, positions.unsqueeze(0))[0]  # (tokens, 1, D / 2)
 
     # Additive masks. Prompt: see `_prompt_bias`. Completion: its prompt's real tokens, then causal
-    # over itself.
+    # over itself (the fused attention's kernel applies the causal part itself).
     blocked = float("-inf")
     real = prompt_mask.bool()
     prompt_bias = _prompt_bias(prompt_mask, dtype)
-    completion_bias = torch.zeros(prompts, steps, width + steps, dtype=dtype, device=device)
-    completion_bias[:, :, :width].masked_fill_(~real[:, None, :], blocked)
-    completion_bias[:, :, width:].masked_fill_(
-        ~torch.ones(steps, steps, dtype=torch.bool, device=device).tril(), blocked)
-    completion_bias = completion_bias[:, None, None, None]  # (prompts, 1, 1, 1, S, P + S) over (kv, K, group)
+    attention_shape = training_ops.AttentionShape(prompts, width, k, steps, heads, kv_heads, head_dim)
+    fused_attention = low == torch.float32 and decode_kernels.runs(prompt_bias)
+    if fused_attention:
+        fused_prompt_bias = prompt_bias.view(prompts, width, width)
+        fused_prefix_bias = torch.zeros(prompts, 1, width, dtype=dtype, device=device).masked_fill_(
+            ~real[:, None, :], blocked)
+    else:
+        completion_bias = torch.zeros(prompts, steps, width + steps, dtype=dtype, device=device)
+        completion_bias[:, :, :width].masked_fill_(~real[:, None, :], blocked)
+        completion_bias[:, :, width:].masked_fill_(
+            ~torch.ones(steps, steps, dtype=torch.bool, device=device).tril(), blocked)
+        completion_bias = completion_bias[:, None, None, None]  # (prompts, 1, 1, 1, S, P + S) over (kv, K, group)
 
     hidden = F.embedding(torch.cat([prompt_ids.reshape(-1), completion_ids[:, :steps].reshape(-1)]),
                          inner.embed_tokens.weight)
@@ -604,34 +613,12 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
         query_key, value = qkv.split([q_size + kv_size, kv_size], dim=-1)
         query_key = training_ops.rotary(query_key.view(-1, heads + kv_heads, head_dim), rotation, low,
                                         already_rotated=known_qkv is not None)
-        query, key = query_key.split([heads, kv_heads], dim=1)
         value = value.view(-1, kv_heads, head_dim)
-        (q_prompt, q_completion), (k_prompt, k_own), (v_prompt, v_own) = (
-            t.split([prompt_tokens, t.shape[0] - prompt_tokens]) for t in (query, key, value))
-
-        k_prompt = k_prompt.view(prompts, width, kv_heads, head_dim).permute(0, 2, 3, 1)  # (G, kv, D, P)
-        v_prompt = v_prompt.view(prompts, width, kv_heads, head_dim).transpose(1, 2)  # (G, kv, P, D)
-        attended_prompt = _prompt_attention(q_prompt.view(prompts, width, kv_heads, group, head_dim), k_prompt,
-                                            v_prompt, prompt_bias, scale, low).reshape(prompt_tokens, q_size)
-
-        # Completions: one product per prompt and KV head against the shared prompt keys (all K
-        # samples' query rows at once), one per row against its own earlier tokens, one softmax.
-        q_completion = q_completion.view(prompts, k, steps, kv_heads, group, head_dim).permute(0, 3, 1, 4, 2, 5)
-        k_own = k_own.view(prompts, k, steps, kv_heads, head_dim).permute(0, 3, 1, 4, 2)  # (G, kv, K, D, S)
-        v_own = v_own.view(prompts, k, steps, kv_heads, head_dim).permute(0, 3, 1, 2, 4)  # (G, kv, K, S, D)
-        q_completion = q_completion.reshape(prompts, kv_heads, k, group * steps, head_dim)
-        prefix_scores = torch.matmul(q_completion.view(prompts, kv_heads, k * group * steps, head_dim), k_prompt)
-        own_scores = torch.matmul(q_completion, k_own)
-        scores = torch.cat([prefix_scores.view(prompts, kv_heads, k, group * steps, width), own_scores], dim=-1)
-        probs = torch.add(completion_bias, scores.view(prompts, kv_heads, k, group, steps, width + steps), alpha=scale)
-        probs = probs.softmax(dim=-1, dtype=torch.float32).to(low).view(prompts, kv_heads, k, group * steps, width + steps)
-        prefix_probs, own_probs = probs.split([width, steps], dim=-1)
-        attended = torch.matmul(own_probs, v_own) + torch.matmul(
-            prefix_probs.reshape(prompts, kv_heads, k * group * steps, width), v_prompt).view(
-            prompts, kv_heads, k, group * steps, head_dim)
-        attended = attended.view(prompts, kv_heads, k, group, steps, head_dim).permute(0, 2, 4, 1, 3, 5)
-
-        attended = torch.cat([attended_prompt, attended.reshape(rows * steps, q_size)])
+        if fused_attention:
+            attended = training_ops.shared_prefix_attention(query_key, value, fused_prompt_bias, fused_prefix_bias,
+                                                            attention_shape, scale)
+        else:
+            attended = _composed_attention(query_key, value, attention_shape, prompt_bias, completion_bias, scale, low)
         hidden = hidden + training_ops.linear(attended, [attn.o_proj.weight], _biases(attn.o_proj), low, known_o)
         gate_up = training_ops.norm_linear(hidden, layer.post_attention_layernorm.weight,
                                            _eps(layer.post_attention_layernorm),
@@ -760,6 +747,43 @@ def _rotation_table(rotary, like: torch.Tensor, positions: torch.Tensor) -> torc
 
 def _eps(norm) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def _composed_attention(query_key: torch.Tensor, value: torch.Tensor, shape: "training_ops.AttentionShape",
+                        prompt_bias: torch.Tensor, completion_bias: torch.Tensor, scale: float,
+                        low: torch.dtype) -> torch.Tensor:
+    """`training_ops.shared_prefix_attention` composed from torch ops (any dtype and device; its
+    probabilities in `low`): `prompt_bias` from `_prompt_bias`, `completion_bias` (prompts, 1, 1, 1,
+    S, P + S) additive over a completion token's prompt and own columns."""
+    prompts, width, k, steps, heads, kv_heads, head_dim = shape
+    group, q_size = heads // kv_heads, heads * head_dim
+    prompt_tokens, rows = prompts * width, prompts * k
+    query, key = query_key.split([heads, kv_heads], dim=1)
+    (q_prompt, q_completion), (k_prompt, k_own), (v_prompt, v_own) = (
+        t.split([prompt_tokens, t.shape[0] - prompt_tokens]) for t in (query, key, value))
+
+    k_prompt = k_prompt.view(prompts, width, kv_heads, head_dim).permute(0, 2, 3, 1)  # (G, kv, D, P)
+    v_prompt = v_prompt.view(prompts, width, kv_heads, head_dim).transpose(1, 2)  # (G, kv, P, D)
+    attended_prompt = _prompt_attention(q_prompt.view(prompts, width, kv_heads, group, head_dim), k_prompt,
+                                        v_prompt, prompt_bias, scale, low).reshape(prompt_tokens, q_size)
+
+    # Completions: one product per prompt and KV head against the shared prompt keys (all K
+    # samples' query rows at once), one per row against its own earlier tokens, one softmax.
+    q_completion = q_completion.view(prompts, k, steps, kv_heads, group, head_dim).permute(0, 3, 1, 4, 2, 5)
+    k_own = k_own.view(prompts, k, steps, kv_heads, head_dim).permute(0, 3, 1, 4, 2)  # (G, kv, K, D, S)
+    v_own = v_own.view(prompts, k, steps, kv_heads, head_dim).permute(0, 3, 1, 2, 4)  # (G, kv, K, S, D)
+    q_completion = q_completion.reshape(prompts, kv_heads, k, group * steps, head_dim)
+    prefix_scores = torch.matmul(q_completion.view(prompts, kv_heads, k * group * steps, head_dim), k_prompt)
+    own_scores = torch.matmul(q_completion, k_own)
+    scores = torch.cat([prefix_scores.view(prompts, kv_heads, k, group * steps, width), own_scores], dim=-1)
+    probs = torch.add(completion_bias, scores.view(prompts, kv_heads, k, group, steps, width + steps), alpha=scale)
+    probs = probs.softmax(dim=-1, dtype=torch.float32).to(low).view(prompts, kv_heads, k, group * steps, width + steps)
+    prefix_probs, own_probs = probs.split([width, steps], dim=-1)
+    attended = torch.matmul(own_probs, v_own) + torch.matmul(
+        prefix_probs.reshape(prompts, kv_heads, k * group * steps, width), v_prompt).view(
+        prompts, kv_heads, k, group * steps, head_dim)
+    attended = attended.view(prompts, kv_heads, k, group, steps, head_dim).permute(0, 2, 4, 1, 3, 5)
+    return torch.cat([attended_prompt, attended.reshape(rows * steps, q_size)])
 
 
 def _prompt_bias(prompt_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -11,6 +11,13 @@ ops and keeps only what its gradient cannot cheaply recompute:
 * `swiglu_linear`: SwiGLU and the down projection. Keeps SwiGLU's input; its output is recomputed.
 * `linear`: the output projection. Keeps its input.
 * `rotary`: keeps only the rotation table.
+* `shared_prefix_attention` (fp32 with the C kernels): the prompt and completion attention as one
+  node. Keeps the queries, keys and values in the layout its batched products read and the
+  probabilities; the softmax with its padding and causal masks, and its backward pass, are one C
+  pass each over the scores in place, where the torch composition concatenated the two score
+  parts, added a bias tensor, split the probabilities and copied them for its products. L
+  benchmark chunk (1 prompt of 48 tokens, 8 rows of 63), one layer's attention forward +
+  backward: 5.6 -> 4.5 ms; the L run's peak RSS ~15 MB lower.
 
 Each projection's weight is joined from the model's parameters (q, k and v; gate and up) and cast
 to the compute dtype in the forward pass, and joined again in the backward pass, so between the two
@@ -31,7 +38,7 @@ model's to float rounding.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -318,3 +325,125 @@ def linear(x: torch.Tensor, weight_parts: Sequence[torch.Tensor], bias_parts: Se
     x's dtype), rebuilt in the backward pass rather than kept. With `replayed`, its output is taken
     as the product's (see `Replayed`)."""
     return _Linear.apply(x, dtype or x.dtype, len(weight_parts), replayed, *weight_parts, *bias_parts)
+
+
+class AttentionShape(NamedTuple):
+    """The token layout `shared_prefix_attention` reads: `prompts` prompts of `width` tokens (left
+    padded), then `group_size` rows per prompt of `steps` completion tokens each, rows prompt-major;
+    `heads` query heads sharing `kv_heads` key/value heads of `head_dim`."""
+    prompts: int
+    width: int
+    group_size: int
+    steps: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def _blocked(x: torch.Tensor, shape: AttentionShape) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(prompt part (prompts * kv, n * width, D), completion part (prompts * kv * K, n * steps, D)),
+    contiguous copies of x (tokens, kv * n, D) with each KV head's n heads as rows of its block:
+    the layout the attention's batched products read."""
+    g, w, k, s, _, kv, d = shape
+    n = x.shape[1] // kv
+    prompt, completion = x.split([g * w, g * k * s])
+    prompt = prompt.reshape(g, w, kv, n, d).permute(0, 2, 3, 1, 4).reshape(g * kv, n * w, d)
+    completion = completion.reshape(g, k, s, kv, n, d).permute(0, 3, 1, 4, 2, 5).reshape(g * kv * k, n * s, d)
+    return prompt.contiguous(), completion.contiguous()
+
+
+def _unblock(prompt: torch.Tensor, completion: torch.Tensor, shape: AttentionShape, out: torch.Tensor) -> None:
+    """Writes `_blocked`'s two parts back into `out` (tokens, kv * n, D) (a view may be strided)."""
+    g, w, k, s, _, kv, d = shape
+    n = out.shape[1] // kv
+    out_prompt, out_completion = out.split([g * w, g * k * s])
+    out_prompt.view(g, w, kv, n, d).copy_(prompt.view(g, kv, n, w, d).permute(0, 3, 1, 2, 4))
+    out_completion.view(g, k, s, kv, n, d).copy_(completion.view(g, kv, k, n, s, d).permute(0, 2, 4, 1, 3, 5))
+
+
+class _SharedPrefixAttention(torch.autograd.Function):
+    """See `shared_prefix_attention`. Saves the queries, keys and values in the blocked layout and the
+    probabilities; the backward pass runs the products' transposes and one C pass for the softmax."""
+
+    @staticmethod
+    def forward(ctx, query_key, value, prompt_bias, prefix_bias, shape: AttentionShape, scale: float):
+        g, w, k, s, heads, kv, d = shape
+        group = heads // kv
+        q_prompt, q_completion = _blocked(query_key[:, :heads], shape)
+        k_prompt, k_completion = _blocked(query_key[:, heads:], shape)
+        v_prompt, v_completion = _blocked(value, shape)
+        q_rows = q_completion.view(g * kv, k * group * s, d)  # all K rows' queries of a prompt and KV head
+
+        # Prompts: causal self-attention (prompt_bias). Completions: the prompt's keys (prefix_bias
+        # masks its padding) and their own earlier tokens (causal in the kernel), one softmax.
+        prompt_probs = torch.bmm(q_prompt, k_prompt.transpose(1, 2))
+        decode_kernels.attention_softmax(prompt_probs, None, g * kv, w, prompt_bias, scale)
+        prefix_probs = torch.bmm(q_rows, k_prompt.transpose(1, 2))
+        own_probs = torch.bmm(q_completion, k_completion.transpose(1, 2))
+        decode_kernels.attention_softmax(prefix_probs, own_probs, g * kv * k, s, prefix_bias, scale)
+
+        attended_prompt = torch.bmm(prompt_probs, v_prompt)
+        attended = torch.bmm(own_probs, v_completion)
+        attended.view(g * kv, k * group * s, d).baddbmm_(prefix_probs, v_prompt)
+        out = query_key.new_empty(query_key.shape[0], heads, d)
+        _unblock(attended_prompt, attended, shape, out)
+        ctx.save_for_backward(q_prompt, q_completion, k_prompt, k_completion, v_prompt, v_completion,
+                              prompt_probs, prefix_probs, own_probs)
+        ctx.shape, ctx.scale = shape, scale
+        return out.view(query_key.shape[0], heads * d)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (q_prompt, q_completion, k_prompt, k_completion, v_prompt, v_completion,
+         prompt_probs, prefix_probs, own_probs) = ctx.saved_tensors
+        shape, scale = ctx.shape, ctx.scale
+        g, w, k, s, heads, kv, d = shape
+        group = heads // kv
+        grad_prompt, grad_completion = _blocked(grad.reshape(-1, heads, d), shape)
+        grad_rows = grad_completion.view(g * kv, k * group * s, d)
+        q_rows = q_completion.view(g * kv, k * group * s, d)
+
+        # Values: probabilities^T x output gradient.
+        grad_v_prompt = torch.bmm(prefix_probs.transpose(1, 2), grad_rows)
+        grad_v_prompt.baddbmm_(prompt_probs.transpose(1, 2), grad_prompt)
+        grad_v_completion = torch.bmm(own_probs.transpose(1, 2), grad_completion)
+        # Scores: output gradient x values^T, through the softmax (in place).
+        grad_prompt_scores = torch.bmm(grad_prompt, v_prompt.transpose(1, 2))
+        decode_kernels.attention_softmax_backward(prompt_probs, grad_prompt_scores, None, None, g * kv, w, scale)
+        grad_prefix_scores = torch.bmm(grad_rows, v_prompt.transpose(1, 2))
+        grad_own_scores = torch.bmm(grad_completion, v_completion.transpose(1, 2))
+        decode_kernels.attention_softmax_backward(prefix_probs, grad_prefix_scores, own_probs, grad_own_scores,
+                                                  g * kv * k, s, scale)
+        # Queries and keys from the score gradients.
+        grad_q_prompt = torch.bmm(grad_prompt_scores, k_prompt)
+        grad_q_completion = torch.bmm(grad_own_scores, k_completion)
+        grad_q_completion.view(g * kv, k * group * s, d).baddbmm_(grad_prefix_scores, k_prompt)
+        grad_k_prompt = torch.bmm(grad_prefix_scores.transpose(1, 2), q_rows)
+        grad_k_prompt.baddbmm_(grad_prompt_scores.transpose(1, 2), q_prompt)
+        grad_k_completion = torch.bmm(grad_own_scores.transpose(1, 2), q_completion)
+
+        tokens = grad.shape[0]
+        grad_query_key = grad.new_empty(tokens, heads + kv, d)
+        _unblock(grad_q_prompt, grad_q_completion, shape, grad_query_key[:, :heads])
+        _unblock(grad_k_prompt, grad_k_completion, shape, grad_query_key[:, heads:])
+        grad_value = grad.new_empty(tokens, kv, d)
+        _unblock(grad_v_prompt, grad_v_completion, shape, grad_value)
+        return grad_query_key, grad_value, None, None, None, None
+
+
+def shared_prefix_attention(query_key: torch.Tensor, value: torch.Tensor, prompt_bias: torch.Tensor,
+                            prefix_bias: torch.Tensor, shape: AttentionShape, scale: float) -> torch.Tensor:
+    """The training forward's attention (`lean.shared_prompt_logits`) as one autograd node:
+    `query_key` (tokens, heads + kv_heads, head_dim), rotated, contiguous, and `value` (tokens,
+    kv_heads, head_dim) of the tokens in `shape`'s layout; returns the attended values (tokens,
+    heads * head_dim).
+
+    Each prompt's queries attend causally to its own tokens (`prompt_bias` (prompts, width, width),
+    additive, 0 or -inf). Each completion token attends to its prompt's tokens (`prefix_bias`
+    (prompts, 1, width), additive: -inf at padding) and to its row's tokens up to itself, in one
+    softmax. The products are batched matmuls in which a KV head's query heads are rows (no repeat
+    of keys or values) and all K rows of a prompt share one product against its keys, forward and
+    backward. The softmax, its masks and its backward pass are C passes over the scores in place
+    (`decode_kernels.attention_softmax`), so none of the torch composition's concatenation, bias
+    add, split and copies of the probabilities run. fp32 where `decode_kernels.runs`."""
+    return _SharedPrefixAttention.apply(query_key, value, prompt_bias, prefix_bias, shape, scale)
