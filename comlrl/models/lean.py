@@ -389,10 +389,13 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 #: update and saves its product in the loss forward. Measured on an AVX2 EPYC (fp32; gradient
 #: buffers allocated up front, see `magrpo._allocate_gradients`), the S-medium benchmark's peak
 #: RSS (CoMLRL's: 608-612 MB): gate/up and down 598-601 MB; with the output projection too, the
-#: same, and `profile.py`'s L forward phase 1.86 -> 1.58 s; with QKV too, 605-606 MB; all four
-#: 609-611 MB. Recording QKV and down instead of gate/up and down made L 0.9 s slower: gate/up,
-#: the widest output, saves the most after down (twice the inputs per output of the others).
-RECORDED_PROJECTIONS = ("o", "gate_up", "down")
+#: same, and `profile.py`'s L forward phase 1.86 -> 1.58 s; all four 609-611 MB, over budget then.
+#: The fused training attention (`training_ops.shared_prefix_attention`) then kept ~10 MB less
+#: (S-medium 591-594 MB with three recorded), so QKV is recorded too: S-medium 601-603 MB and
+#: ~6% faster (interleaved runs), L's forward phase 1.69 -> 1.21 s (L 630 -> 650 MB; CoMLRL's
+#: ~690). Recording QKV and down instead of gate/up and down made L 0.9 s slower: gate/up, the
+#: widest output, saves the most after down (twice the inputs per output of the others).
+RECORDED_PROJECTIONS = PROJECTIONS
 
 
 class ProjectionRecord:
