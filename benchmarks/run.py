@@ -239,6 +239,9 @@ def summarise(runs: list[dict]) -> dict:
         "train_cpu_s": cpu,
         "peak_rss_mb": max(rss),
         "median_peak_rss_mb": statistics.median(rss),
+        # file-backed huge pages counted in RSS (see workload._file_huge_pages_mb): not the
+        # workload's memory; a large value makes that library's peak RSS read high
+        "max_file_huge_pages_mb": max(r.get("file_huge_pages_mb", 0.0) for r in runs),
         "comlrl_version": runs[0]["comlrl_version"],
         "comlrl_file": runs[0]["comlrl_file"],
         "torch": runs[0]["torch"],
@@ -258,6 +261,8 @@ def run_workload(wl: Workload, libs: list[str], repeats: int, seed: int, log_dir
                 f"[bench] {wl.name:9s} {LIBS[lib]:13s} run {rep + 1}/{repeats}: "
                 f"{res['train_s']:.2f} s (CPU {res.get('train_cpu_s', float('nan')):.2f} s), "
                 f"peak RSS {res['peak_rss_mb']:.0f} MB"
+                + (f" (of which file-backed huge pages {res['file_huge_pages_mb']:.0f} MB: not the workload's memory)"
+                   if res.get("file_huge_pages_mb", 0.0) >= 8 else "")
             )
     entry = {"workload": asdict(wl), "description": wl.describe()}
     for lib in libs:
