@@ -304,35 +304,64 @@ static inline __attribute__((always_inline)) void head_scores(int nh, const floa
     }
 }
 
+/* Lane reductions and softmax passes over a row of n floats, 8 lanes at a time with a masked tail
+ * (the decode attention's softmax and the training attention's, `comlrl_attention_softmax`). */
+
+/* The running maximum vmax updated with x[0 .. n-1]. */
+static inline __m256 row_max(const float *x, int64_t n, __m256 vmax) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + j));
+    if (j < n) {
+        const __m256i mask = first_lanes(n - j);
+        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_maskload_ps(x + j, mask),
+                                                     _mm256_castsi256_ps(mask)));
+    }
+    return vmax;
+}
+
+/* x[0 .. n-1] = e^(x - shift), their sum added to vsum (masked tail). */
+static inline __m256 exp_shifted_sum(float *x, int64_t n, __m256 shift, __m256 vsum) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift));
+        _mm256_storeu_ps(x + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    if (j < n) {
+        const __m256i mask = first_lanes(n - j);
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(x + j, mask), shift)),
+                                       _mm256_castsi256_ps(mask));
+        _mm256_maskstore_ps(x + j, mask, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    return vsum;
+}
+
+static inline void scale_in_place(float *x, int64_t n, float factor) {
+    const __m256 f = _mm256_set1_ps(factor);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), f));
+    for (; j < n; j++) x[j] *= factor;
+}
+
+static inline float lanes_max(__m256 v) {
+    float lanes[8], top = -INFINITY;
+    _mm256_storeu_ps(lanes, v);
+    for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+    return top;
+}
+
+static inline float lanes_sum(__m256 v) {
+    float lanes[8], total = 0.0f;
+    _mm256_storeu_ps(lanes, v);
+    for (int i = 0; i < 8; i++) total += lanes[i];
+    return total;
+}
+
 /* scores <- softmax(scores) over `count` values, in place. */
 static void softmax(float *scores, int64_t count) {
-    __m256 vmax = _mm256_set1_ps(-INFINITY);
-    int64_t j = 0;
-    for (; j + 8 <= count; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + j));
-    float buf[8], top = -INFINITY;
-    _mm256_storeu_ps(buf, vmax);
-    for (int i = 0; i < 8; i++) top = buf[i] > top ? buf[i] : top;
-    for (; j < count; j++) top = scores[j] > top ? scores[j] : top;
-    __m256 shift = _mm256_set1_ps(top), vsum = _mm256_setzero_ps();
-    for (j = 0; j + 8 <= count; j += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), shift));
-        _mm256_storeu_ps(scores + j, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
-    if (j < count) {  /* the tail, padded with -inf (exp -> 0) */
-        float tail[8];
-        int64_t left = count - j;
-        for (int i = 0; i < 8; i++) tail[i] = i < left ? scores[j + i] : -INFINITY;
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), shift));
-        _mm256_storeu_ps(tail, e);
-        vsum = _mm256_add_ps(vsum, e);
-        for (int i = 0; i < left; i++) scores[j + i] = tail[i];
-    }
-    _mm256_storeu_ps(buf, vsum);
-    float total = 0.0f;
-    for (int i = 0; i < 8; i++) total += buf[i];
-    float inverse = 1.0f / total;
-    for (j = 0; j < count; j++) scores[j] *= inverse;
+    const __m256 shift = _mm256_set1_ps(lanes_max(row_max(scores, count, _mm256_set1_ps(-INFINITY))));
+    scale_in_place(scores, count, 1.0f / lanes_sum(exp_shifted_sum(scores, count, shift, _mm256_setzero_ps())));
 }
 
 /* out[h][d] += sum_j probs[h][j] * values[j * dim + d] for NH (1 or 2) heads of one KV head
@@ -444,9 +473,7 @@ void comlrl_residual_rms_norm(int64_t rows, int64_t dim, float *hidden, const fl
             }
             squares = _mm256_fmadd_ps(v, v, squares);
         }
-        float lanes[8], sum = 0.0f;
-        _mm256_storeu_ps(lanes, squares);
-        for (int i = 0; i < 8; i++) sum += lanes[i];
+        float sum = lanes_sum(squares);
         for (; d < dim; d++) {
             if (delta) h[d] += delta[r * dim + d];
             sum = fmaf(h[d], h[d], sum);
@@ -555,9 +582,7 @@ static inline float sum_of_squares(const float *x, int64_t dim) {
         const __m256 v = _mm256_loadu_ps(x + d);
         squares = _mm256_fmadd_ps(v, v, squares);
     }
-    float lanes[8], sum = 0.0f;
-    _mm256_storeu_ps(lanes, squares);
-    for (int i = 0; i < 8; i++) sum += lanes[i];
+    float sum = lanes_sum(squares);
     for (; d < dim; d++) sum = fmaf(x[d], x[d], sum);
     return sum;
 }
@@ -595,9 +620,7 @@ void comlrl_rms_norm_backward(int64_t rows, int64_t dim, const float *grad, cons
             dots = _mm256_fmadd_ps(_mm256_mul_ps(gd, _mm256_loadu_ps(weight + d)), x_hat, dots);
             if (grad_weight) _mm256_storeu_ps(grad_weight + d, _mm256_fmadd_ps(gd, x_hat, _mm256_loadu_ps(grad_weight + d)));
         }
-        float lanes[8], dot = 0.0f;
-        _mm256_storeu_ps(lanes, dots);
-        for (int i = 0; i < 8; i++) dot += lanes[i];
+        float dot = lanes_sum(dots);
         for (; d < dim; d++) {
             const float x_hat = row[d] * rstd[r];
             dot = fmaf(g[d] * weight[d], x_hat, dot);
@@ -707,45 +730,6 @@ static inline __m256 scale_bias_max(float *x, const float *bias, int64_t n, __m2
         vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, _mm256_castsi256_ps(mask)));
     }
     return vmax;
-}
-
-/* x[0 .. n-1] = e^(x - shift), their sum added to vsum (masked tail). */
-static inline __m256 exp_shifted_sum(float *x, int64_t n, __m256 shift, __m256 vsum) {
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift));
-        _mm256_storeu_ps(x + j, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
-    if (j < n) {
-        const __m256i mask = first_lanes(n - j);
-        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(x + j, mask), shift)),
-                                       _mm256_castsi256_ps(mask));
-        _mm256_maskstore_ps(x + j, mask, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
-    return vsum;
-}
-
-static inline void scale_in_place(float *x, int64_t n, float factor) {
-    const __m256 f = _mm256_set1_ps(factor);
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), f));
-    for (; j < n; j++) x[j] *= factor;
-}
-
-static inline float lanes_max(__m256 v) {
-    float lanes[8], top = -INFINITY;
-    _mm256_storeu_ps(lanes, v);
-    for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
-    return top;
-}
-
-static inline float lanes_sum(__m256 v) {
-    float lanes[8], total = 0.0f;
-    _mm256_storeu_ps(lanes, v);
-    for (int i = 0; i < 8; i++) total += lanes[i];
-    return total;
 }
 
 void comlrl_attention_softmax(int64_t blocks, int64_t rows, int64_t period, float *prefix, int64_t width,
