@@ -345,11 +345,11 @@ def test_gradient_buffers_are_kept_but_unused_parameters_are_not_stepped():
     used, sometimes = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
     frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
     optimizer = torch.optim.AdamW([used, sometimes, frozen], lr=0.1)
-    magrpo._allocate_gradients(optimizer)  # as the trainer does before its first rollout
-    assert frozen.grad is None and torch.equal(used.grad, torch.zeros(3))
-    buffers = [used.grad.data_ptr()]
+    gradients = magrpo._GradientBuffers([optimizer])  # as the trainer does before its first rollout
+    buffers = []
     for uses_both in (True, False, False):
-        kept = magrpo._zero_gradients(optimizer)
+        kept = gradients.lend_zeroed(0)
+        assert frozen.grad is None and torch.equal(used.grad, torch.zeros(3))
         loss = (used * 2).sum() + ((sometimes * 3).sum() if uses_both else 0)
         loss.backward()
         magrpo._drop_unused_gradients(optimizer, kept)
@@ -359,4 +359,28 @@ def test_gradient_buffers_are_kept_but_unused_parameters_are_not_stepped():
         assert torch.equal(used.grad, torch.full((3,), 2.0))
         if not uses_both:
             assert sometimes.grad is None and torch.equal(sometimes.detach(), before)
-    assert buffers[0] == buffers[1] == buffers[2] == buffers[3]
+    assert buffers[0] == buffers[1] == buffers[2]
+    gradients.take_back(0)
+    assert used.grad is None and sometimes.grad is None
+
+
+def test_agents_of_one_shape_take_turns_with_one_set_of_gradient_buffers():
+    """Agents whose parameters match share gradient buffers, lent to one agent at a time and zeroed on
+    each loan, so one agent's gradients never leak into the other's step; agents of another shape
+    get their own."""
+    from comlrl.trainers.reinforce import magrpo
+
+    first, second, other = (torch.nn.Linear(4, 3), torch.nn.Linear(4, 3), torch.nn.Linear(4, 5))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1.0) for m in (first, second, other)]
+    gradients = magrpo._GradientBuffers(optimizers)
+    x = torch.ones(2, 4)
+    pointers = []
+    for index, model in enumerate((first, second, other)):
+        expected = torch.autograd.grad(model(x).pow(2).sum(), model.weight)[0]
+        gradients.lend_zeroed(index)
+        model(x).pow(2).sum().backward()
+        assert torch.equal(model.weight.grad, expected)  # nothing left over from the previous agent
+        pointers.append(model.weight.grad.data_ptr())
+        gradients.take_back(index)
+        assert model.weight.grad is None
+    assert pointers[0] == pointers[1] != pointers[2]

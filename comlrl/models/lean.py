@@ -387,7 +387,7 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 #: The projections sampling records. Each recorded one costs memory from the sampling call to the
 #: update and saves its product in the loss forward. Measured on an AVX2 EPYC (fp32; gradient
-#: buffers allocated up front, see `magrpo._allocate_gradients`), the S-medium benchmark's peak
+#: buffers allocated up front, see `magrpo._GradientBuffers`), the S-medium benchmark's peak
 #: RSS (CoMLRL's: 608-612 MB): gate/up and down 598-601 MB; with the output projection too, the
 #: same, and `profile.py`'s L forward phase 1.86 -> 1.58 s; all four 609-611 MB, over budget then.
 #: The fused training attention (`training_ops.shared_prefix_attention`) then kept ~10 MB less
