@@ -188,8 +188,7 @@ class _GradientBuffers:
     spends its gradients before the next agent's backward pass begins, so agents whose trainable
     parameters match in shape, stride, dtype and device (the usual case: copies of one model) take
     turns with one set: peak RSS S-medium 614-616 -> 604-605 MB, L 680-683 -> 674 MB (fp32,
-    AVX-512 EPYC, time unchanged). While an agent holds no loan
-    its gradients are None."""
+    AVX-512 EPYC, time unchanged). While an agent holds no loan its gradients are None."""
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
         self._params = [[p for group in o.param_groups for p in group["params"] if p.requires_grad]
