@@ -94,6 +94,35 @@ def test_replayed_projections_give_the_recomputed_log_probs_and_gradients(name):
         assert (wrong - _logprobs_and_grads(*everything)[0]).abs().max() > 1e-2
 
 
+def test_a_replayed_forward_keeps_no_gate_up_output():
+    """With gate/up and down replayed, no layer's gate/up output is kept from the forward to the
+    backward pass (SwiGLU's backward takes it from the record); the recomputing forward keeps one
+    per layer."""
+    model = tiny(Qwen2Config)
+    model.train()
+    k, steps = 2, 5
+    prompt_ids, prompt_mask = torch.randint(6, 97, (1, 4)), torch.ones(1, 4, dtype=torch.long)
+    completions = torch.randint(6, 97, (k, steps))
+    (record,) = _teacher_forced_records([model], prompt_ids, prompt_mask, completions, k)
+    gate_up_width = 2 * model.config.intermediate_size
+    tokens = 4 + k * (steps - 1)
+
+    def kept_gate_ups(replayed):
+        kept = []
+
+        def keep(t):
+            kept.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            logits = shared_prompt_logits(model, prompt_ids, prompt_mask, completions, k, replayed=replayed)
+        logits.sum().backward()
+        return kept.count((tokens, gate_up_width))
+
+    assert kept_gate_ups(None) == model.config.num_hidden_layers
+    assert kept_gate_ups(record.replayed([0], 0, steps - 1)) == 0
+
+
 def test_replayed_outputs_are_taken_once():
     model = tiny(Qwen2Config)
     prompt_ids, prompt_mask = torch.randint(6, 97, (1, 4)), torch.ones(1, 4, dtype=torch.long)

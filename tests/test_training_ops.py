@@ -95,6 +95,45 @@ def test_projections_keep_only_their_inputs_the_norm_scale_and_the_parameters():
     assert len(rstd) == 1 and rstd[0].shape == (10, 1)  # the norm's one scalar per row
 
 
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_deferred_gate_up_is_not_kept_and_gives_the_same_gradients(kernels, monkeypatch):
+    """With gate/up and down replayed, `norm_linear(defer=True)` hands SwiGLU a stand-in and
+    SwiGLU's backward takes gate/up from its Replayed: same output and gradients, bitwise, as the
+    pair fed the replayed tensors directly, and no (rows, 2 * intermediate) tensor is kept."""
+    if not kernels:
+        monkeypatch.setattr(decode_kernels, "runs", lambda tensor: False)
+    x = torch.randn(10, 8)
+    norm_weight, weight, down = (torch.randn(*shape, requires_grad=True) for shape in ((8,), (12, 8), (4, 6)))
+    known_gate_up, known_down = torch.randn(10, 12), torch.randn(10, 4)
+
+    def run(defer: bool):
+        kept = []
+
+        def keep(t):
+            kept.append(tuple(t.shape))
+            return t
+
+        gate_up_source = training_ops.Replayed(lambda: known_gate_up.clone())
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            gate_up = training_ops.norm_linear(x, norm_weight, 1e-6, [weight[:6], weight[6:]], (), None,
+                                               gate_up_source, defer=defer)
+            out = training_ops.swiglu_linear(gate_up, down, None, None, training_ops.Replayed(lambda: known_down.clone()),
+                                             replayed_input=gate_up_source if defer else None)
+        grads = torch.autograd.grad((out * torch.arange(4.0)).sum(), (norm_weight, weight, down))
+        return out.detach(), grads, kept
+
+    out, grads, kept = run(defer=True)
+    expected_out, expected_grads, expected_kept = run(defer=False)
+    assert torch.equal(out, expected_out) and torch.equal(out, known_down)
+    for got, want in zip(grads, expected_grads):
+        assert torch.equal(got, want)
+    assert (10, 12) in expected_kept and (10, 12) not in kept
+    with pytest.raises(ValueError, match="defer needs"):
+        training_ops.norm_linear(x, norm_weight, 1e-6, [weight], (), defer=True)
+    with pytest.raises(ValueError, match="replayed_input needs"):
+        training_ops.swiglu_linear(known_gate_up, down, replayed_input=training_ops.Replayed(lambda: known_gate_up))
+
 def test_rotary_is_the_models_on_pair_adjacent_rows_and_backward_passes_gradcheck():
     """On a head whose rotary pairs (i, i + D/2) are adjacent, the rotation is the transformers
     rotary embedding, reordered alike."""

@@ -623,11 +623,15 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
         else:
             attended = _composed_attention(query_key, value, attention_shape, prompt_bias, completion_bias, scale, low)
         hidden = hidden + training_ops.linear(attended, [attn.o_proj.weight], _biases(attn.o_proj), low, known_o)
+        # With gate/up and down both replayed, the forward reads no gate/up output: SwiGLU's
+        # backward takes it from the record, so it is not kept from the forward pass.
+        defer = known_gate_up is not None and known_down is not None
         gate_up = training_ops.norm_linear(hidden, layer.post_attention_layernorm.weight,
                                            _eps(layer.post_attention_layernorm),
                                            [mlp.gate_proj.weight, mlp.up_proj.weight], _biases(mlp.gate_proj, mlp.up_proj),
-                                           low, known_gate_up)
-        hidden = hidden + training_ops.swiglu_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, low, known_down)
+                                           low, known_gate_up, defer=defer)
+        hidden = hidden + training_ops.swiglu_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, low, known_down,
+                                                     replayed_input=known_gate_up if defer else None)
 
     # The prompt's last position predicts each completion's first token; completion j predicts j + 1.
     prompt_hidden, completion_hidden = hidden.split([prompt_tokens, rows * steps])
