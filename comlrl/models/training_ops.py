@@ -11,8 +11,8 @@ ops and keeps only what its gradient cannot cheaply recompute:
 * `swiglu_linear`: SwiGLU and the down projection. Keeps SwiGLU's input; its output is recomputed.
   Where the sampling pass recorded both gate/up and down (`Replayed`), it keeps not even the input:
   `norm_linear(..., defer=True)` hands it a stand-in and its backward pass takes gate/up from the
-  record (peak RSS on a Zen 4 EPYC, 7 interleaved pairs: S-medium 605-606 -> 597-600 MB, L
-  674-677 -> 663-670 MB; time unchanged).
+  record (peak RSS on a Zen 4 EPYC, interleaved runs: S-medium 605-606 -> 597-600 MB in 7 pairs,
+  L 674-677 -> 663-670 MB in 5; time unchanged).
 * `linear`: the output projection. Keeps its input.
 * `rotary`: keeps only the rotation table.
 * `shared_prefix_attention` (fp32 with the C kernels): the prompt and completion attention as one
