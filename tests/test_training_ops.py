@@ -129,6 +129,14 @@ def test_a_deferred_gate_up_is_not_kept_and_gives_the_same_gradients(kernels, mo
     for got, want in zip(grads, expected_grads):
         assert torch.equal(got, want)
     assert (10, 12) in expected_kept and (10, 12) not in kept
+    # The replayed gate/up is taken once: a second backward pass through the graph says so.
+    source = training_ops.Replayed(lambda: known_gate_up.clone())
+    gate_up = training_ops.norm_linear(x, norm_weight, 1e-6, [weight[:6], weight[6:]], (), None, source, defer=True)
+    out = training_ops.swiglu_linear(gate_up, down, None, None, training_ops.Replayed(lambda: known_down.clone()),
+                                     replayed_input=source)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="already taken"):
+        out.sum().backward()
     with pytest.raises(ValueError, match="defer needs"):
         training_ops.norm_linear(x, norm_weight, 1e-6, [weight], (), defer=True)
     with pytest.raises(ValueError, match="replayed_input needs"):

@@ -301,8 +301,8 @@ class _SwiGLULinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate_up, weight, *bias = ctx.saved_tensors
-        if ctx.replayed_input is not None:
-            gate_up, ctx.replayed_input = ctx.replayed_input.take().to(ctx.dtype), None
+        if ctx.replayed_input is not None:  # taken once: a second backward pass raises (`Replayed.take`)
+            gate_up = ctx.replayed_input.take().to(ctx.dtype)
         if _kernels_take(gate_up):
             # The input gradient first; then one pass over gate_up recomputes SwiGLU's output (as the
             # forward computed it, bitwise) for the weight gradient and gives gate_up's gradient.
