@@ -3,7 +3,8 @@
 Weights, gradients and optimizer state stay in the model's own dtype (fp32 for the default models),
 so small learning-rate updates are not rounded away; only the products run in bf16 (autocast). That
 is the usual recipe for RL fine-tuning on GPUs, and on CPUs with native bf16 dot products
-(AVX512-BF16 / AMX) it pays there too.
+(AVX512-BF16 / AMX) it pays there too at real model sizes (Qwen2.5-0.5B's shape on a Zen 4 EPYC:
+sampling 1.7x, update 1.35x); on tiny models the fp32 C decode kernels are the faster.
 
 * ``"no"``   -- run everything in the model's dtype.
 * ``"bf16"`` -- bf16 products wherever the device can run them (any CPU, CUDA with bf16 support).
