@@ -95,7 +95,6 @@ def test_projections_keep_only_their_inputs_the_norm_scale_and_the_parameters():
     assert len(rstd) == 1 and rstd[0].shape == (10, 1)  # the norm's one scalar per row
 
 
-
 @pytest.mark.parametrize("kernels", [True, False])
 def test_a_deferred_gate_up_is_not_kept_and_gives_the_same_gradients(kernels, monkeypatch):
     """With gate/up and down replayed, `norm_linear(defer=True)` hands SwiGLU a stand-in and
@@ -142,6 +141,7 @@ def test_a_deferred_gate_up_is_not_kept_and_gives_the_same_gradients(kernels, mo
     with pytest.raises(ValueError, match="replayed_input needs"):
         training_ops.swiglu_linear(known_gate_up, down, replayed_input=training_ops.Replayed(lambda: known_gate_up))
 
+
 def test_rotary_is_the_models_on_pair_adjacent_rows_and_backward_passes_gradcheck():
     """On a head whose rotary pairs (i, i + D/2) are adjacent, the rotation is the transformers
     rotary embedding, reordered alike."""
@@ -159,6 +159,17 @@ def test_rotary_is_the_models_on_pair_adjacent_rows_and_backward_passes_gradchec
 
 needs_kernel = pytest.mark.skipif(decode_kernels.library() is None,
                                   reason="the C kernels need an x86-64 CPU with AVX2 and FMA and a C compiler")
+
+
+@needs_kernel
+def test_rms_scale_is_rms_norms_scale_bitwise():
+    """A replayed projection's norm computes only its scale (`decode_kernels.rms_scale`), which the
+    backward pass reuses to recompute the normalized input: it must be `rms_norm`'s, bit for bit."""
+    x, weight = torch.randn(37, 259) * 2, 1 + 0.1 * torch.randn(259)
+    normalized, rstd = decode_kernels.rms_norm(x, weight, 1e-6)
+    scale = decode_kernels.rms_scale(x, weight, 1e-6)
+    assert scale.shape == (37, 1) and torch.equal(scale, rstd)
+    assert torch.equal(decode_kernels.rms_norm(x, weight, 1e-6, scale)[0], normalized)
 
 
 def _forward_and_grads(fn, inputs):

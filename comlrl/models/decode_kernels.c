@@ -596,6 +596,7 @@ void comlrl_rms_norm(int64_t rows, int64_t dim, const float *x, const float *wei
         const float *row = x + r * dim;
         const float rstd = rstd_in ? rstd_in[r] : 1.0f / sqrtf(sum_of_squares(row, dim) / (float)dim + eps);
         if (rstd_out) rstd_out[r] = rstd;
+        if (!out) continue;  /* the scale only (a replayed projection needs no normalized input) */
         const __m256 scale = _mm256_set1_ps(rstd);
         float *o = out + r * dim;
         int64_t d = 0;

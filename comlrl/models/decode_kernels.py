@@ -280,20 +280,33 @@ def swiglu_backward(gate_up: torch.Tensor, grad_hidden: torch.Tensor) -> Tuple[t
     return hidden, grad_gate_up
 
 
+def _norm_shape(x: torch.Tensor, weight: torch.Tensor) -> Tuple[int, int]:
+    rows, dim = x.shape
+    if not x.is_contiguous() or weight.shape != (dim,) or not weight.is_contiguous():
+        raise ValueError("decode_kernels.rms_norm needs a contiguous (rows, dim) input and a (dim,) weight")
+    return rows, dim
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              rstd: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm with its scale over the last dimension of 2-D fp32 `x`: (weight * x * rstd, rstd)
     with rstd (rows, 1) = 1 / sqrt(mean(x^2) + eps); given `rstd` (from an earlier call), it is
     reused, so the output is the earlier call's, bitwise."""
-    rows, dim = x.shape
-    if not x.is_contiguous() or weight.shape != (dim,) or not weight.is_contiguous():
-        raise ValueError("decode_kernels.rms_norm needs a contiguous (rows, dim) input and a (dim,) weight")
+    rows, dim = _norm_shape(x, weight)
     out = torch.empty_like(x)
     given = rstd is not None
     rstd = rstd if given else x.new_empty(rows, 1)
     library().comlrl_rms_norm(rows, dim, x.data_ptr(), weight.data_ptr(), eps, rstd.data_ptr() if given else None,
                               None if given else rstd.data_ptr(), out.data_ptr())
     return out, rstd
+
+
+def rms_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm`'s rstd (rows, 1) alone, bitwise the same, without writing the normalized rows."""
+    rows, dim = _norm_shape(x, weight)
+    rstd = x.new_empty(rows, 1)
+    library().comlrl_rms_norm(rows, dim, x.data_ptr(), weight.data_ptr(), eps, None, rstd.data_ptr(), None)
+    return rstd
 
 
 def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,

@@ -211,17 +211,24 @@ class _NormLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, eps, dtype, weight_count, replayed, defer, *parts):
         weight_parts, bias_parts = parts[:weight_count], parts[weight_count:]
+        # A replayed product reads no normalized input: only the scale, which the backward reuses.
+        known = replayed is not None
+        normalized = None
         if _kernels_take(x, norm_weight):  # one pass over x instead of six ops
-            normalized, rstd = decode_kernels.rms_norm(x, norm_weight, eps)
+            if known:
+                rstd = decode_kernels.rms_scale(x, norm_weight, eps)
+            else:
+                normalized, rstd = decode_kernels.rms_norm(x, norm_weight, eps)
         else:
             x32 = _at_least_fp32(x)
             rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-            normalized = None if defer else norm_weight * (x32 * rstd).to(x.dtype)
+            if not known:
+                normalized = norm_weight * (x32 * rstd).to(x.dtype)
         ctx.save_for_backward(x, norm_weight, rstd, *parts)
         ctx.dtype, ctx.weight_count, ctx.weights_at, ctx.eps = dtype, weight_count, 7, eps
         if defer:  # the product is known, and only its consumer's backward pass reads it (`norm_linear`)
             return _deferred(x.shape[0], weight_parts, dtype, x.device)
-        return _project(normalized.to(dtype), weight_parts, bias_parts, dtype, replayed)
+        return _project(x if normalized is None else normalized.to(dtype), weight_parts, bias_parts, dtype, replayed)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
