@@ -266,6 +266,41 @@ def test_swiglu_backward_gives_the_forward_output_bitwise_and_the_true_gradient(
     torch.testing.assert_close(grad_gate_up.double(), leaf.grad, rtol=2e-5, atol=2e-5)
 
 
+needs_avx512 = pytest.mark.skipif(decode_kernels.library() is None or not decode_kernels.AVX512_PANELS,
+                                  reason="the weight-gradient kernel runs on CPUs with AVX-512")
+
+
+@needs_avx512
+@pytest.mark.parametrize("tokens, out_features, in_features", [
+    (600, 1024, 256),  # an L chunk's gate/up: three token chunks of the kernel, the last partial
+    (256, 257, 256),  # exactly one token chunk; one output past the last 16-wide block
+    (37, 5, 33),  # blocks narrower than 16 on both sides
+    (1, 16, 16),
+])
+def test_weight_gradient_is_grad_transposed_times_input(tokens, out_features, in_features):
+    generator = torch.Generator().manual_seed(tokens)
+    # Rows strided as a QKV or gate/up output's slices are: the kernel reads them in place.
+    grad = torch.randn(tokens, out_features + 7, generator=generator)[:, 3:3 + out_features]
+    x = torch.randn(tokens, in_features + 2, generator=generator)[:, :in_features]
+    got = decode_kernels.grad_weight(grad, x)
+    assert got.shape == (out_features, in_features) and got.is_contiguous()
+    expected = grad.double().t() @ x.double()
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-6 * tokens ** 0.5 * 4)
+    # Each element sums over the tokens in order whatever else is in the call: a block of outputs
+    # or inputs alone gives the same values bit for bit.
+    assert torch.equal(decode_kernels.grad_weight(grad[:, 1:4], x), got[1:4])
+    assert torch.equal(decode_kernels.grad_weight(grad, x[:, 2:19]), got[:, 2:19])
+
+
+@needs_avx512
+def test_weight_gradient_of_no_tokens_is_zero_and_bad_layouts_are_refused():
+    assert torch.equal(decode_kernels.grad_weight(torch.empty(0, 20), torch.empty(0, 9)), torch.zeros(20, 9))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        decode_kernels.grad_weight(torch.randn(8, 20).t(), torch.randn(20, 9))
+    with pytest.raises(ValueError, match="fp32"):
+        decode_kernels.grad_weight(torch.randn(8, 20, dtype=torch.float64), torch.randn(8, 9, dtype=torch.float64))
+
+
 @needs_kernel
 def test_decode_kernels_and_torch_ops_decode_the_same_tokens(tiny_medium_model_dir, monkeypatch):
     """Sampling with the kernels (projections, attention, norms, SwiGLU) and with torch ops (their fp32 sums

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, rotate_half
 
-from comlrl.models import decode_kernels, training_ops
+from comlrl.models import decode_kernels, onednn, training_ops
 
 
 def _model_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -211,6 +211,36 @@ def test_c_kernels_compute_the_fp32_pieces_as_the_torch_ops_do(piece, monkeypatc
     torch.testing.assert_close(with_kernels, with_torch, rtol=1e-5, atol=1e-5)
     for got, expected in zip(kernel_grads, torch_grads):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not (onednn.FP32_THROUGH_ONEDNN and decode_kernels.AVX512_PANELS
+                         and decode_kernels.library() is not None),
+                    reason="the weight-gradient kernel replaces oneDNN's on AVX-512 CPUs that are not Intel's")
+@pytest.mark.parametrize("piece", ["norm_linear", "swiglu_linear", "linear"])
+def test_large_weight_gradients_run_the_in_place_kernel_and_equal_onednns(piece, monkeypatch):
+    """fp32 weights of at least `onednn.MIN_WEIGHT_ELEMENTS` get their gradient from
+    `decode_kernels.grad_weight` (both operands read in place) instead of oneDNN's transposed
+    copies; it is the same gradient to float rounding, for every projection of the training pass."""
+    generator = torch.Generator().manual_seed(3)
+    rows, width = 300, 256
+    if piece == "norm_linear":
+        inputs = [torch.randn(rows, width, generator=generator), 1 + 0.1 * torch.randn(width, generator=generator),
+                  torch.randn(512, width, generator=generator) * 0.05, torch.randn(256, width, generator=generator) * 0.05]
+        fn = lambda x, w, p, q: training_ops.norm_linear(x, w, 1e-6, [p, q])  # noqa: E731
+    elif piece == "swiglu_linear":
+        inputs = [torch.randn(rows, 2 * 512, generator=generator), torch.randn(width, 512, generator=generator) * 0.05]
+        fn = training_ops.swiglu_linear
+    else:
+        inputs = [torch.randn(rows, width, generator=generator), torch.randn(width, width, generator=generator) * 0.05]
+        fn = lambda x, w: training_ops.linear(x, [w])  # noqa: E731
+    calls, original = [], decode_kernels.grad_weight
+    monkeypatch.setattr(decode_kernels, "grad_weight", lambda *a: calls.append(1) or original(*a))
+    _, kernel_grads = _forward_and_grads(fn, inputs)
+    assert calls, "the weight gradient did not run the kernel"
+    monkeypatch.setattr(training_ops, "_weight_gradient", onednn.grad_weight)  # oneDNN's, transposed copies
+    _, onednn_grads = _forward_and_grads(fn, inputs)
+    for got, expected in zip(kernel_grads, onednn_grads):  # sums over 300 rows: 1e-4 of rounding
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def _attention_inputs(prompts, width, k, steps, heads, kv_heads, head_dim, padding, seed):

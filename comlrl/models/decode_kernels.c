@@ -801,3 +801,67 @@ void comlrl_attention_softmax_backward(int64_t blocks, int64_t rows, int64_t per
             }
         }
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * A linear layer's weight gradient on AVX-512 CPUs: c (n x m, row stride ldc) = g^T x for the output
+ * gradient g (t x n, row stride ldg) and the input x (t x m, row stride ldx), both read in place.
+ * oneDNN wants both operands transposed and copies them first (a (t x 1024) gradient's copy reads
+ * rows 4 KB apart); here each token is one step of an outer product: for a block of 16 outputs and
+ * 16 inputs, c[o][.] += g[s][o] * x[s][.] over the tokens s in order, 16 sums in 16 registers, as
+ * the decode panel kernel does with its rows. The 16 gradient columns and the inputs are copied into
+ * 16-wide panels first (64-byte pieces, sequential), so the kernel streams both; tokens go in chunks
+ * of GW_TOKENS, whose input panels stay in L2 for every output block, and each chunk's sums start
+ * from the previous chunk's (the order of the sums is the tokens' order whatever the chunking).
+ */
+#define GW_TOKENS 256
+#define GW_INIT(r) __m512 c##r = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, c + (r) * ldc);
+#define GW_FMA(r) c##r = _mm512_fmadd_ps(_mm512_set1_ps(gs[r]), b, c##r);
+#define GW_STORE(r) if ((r) < rows) _mm512_mask_storeu_ps(c + (r) * ldc, mask, c##r);
+
+static AVX512 void grad_weight_block(int64_t tokens, const float *gp, const float *xp, float *c, int64_t ldc,
+                                     int rows, __mmask16 mask, int first) {
+    R16(GW_INIT)
+    for (int64_t s = 0; s < tokens; s++) {
+        const float *gs = gp + s * NR16;
+        const __m512 b = _mm512_load_ps(xp + s * NR16);
+        R16(GW_FMA)
+    }
+    R16(GW_STORE)
+}
+
+/* Copies columns [c0, c0 + cols) of `tokens` rows of a (row stride ld) into a 16-wide panel, zeros past cols. */
+static AVX512 void pack_columns(int64_t tokens, const float *a, int64_t ld, int64_t c0, int cols, float *panel) {
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+    for (int64_t s = 0; s < tokens; s++)
+        _mm512_store_ps(panel + s * NR16, _mm512_maskz_loadu_ps(mask, a + s * ld + c0));
+}
+
+/* Returns 0, or -1 (c untouched) when the panels cannot be allocated. */
+int comlrl_grad_weight(int64_t t, int64_t n, int64_t m, const float *g, int64_t ldg, const float *x, int64_t ldx,
+                       float *c, int64_t ldc) {
+    const int64_t chunk = t < GW_TOKENS ? t : GW_TOKENS, in_blocks = (m + NR16 - 1) / NR16;
+    float *xp = aligned_alloc(64, (size_t)((in_blocks + 1) * (chunk ? chunk : 1) * NR16) * sizeof(float));
+    if (!xp) return -1;
+    float *gp = xp + in_blocks * (chunk ? chunk : 1) * NR16;
+    if (t == 0) {
+        for (int64_t o = 0; o < n; o++) memset(c + o * ldc, 0, (size_t)m * sizeof(float));
+    }
+    for (int64_t s0 = 0; s0 < t; s0 += chunk) {
+        const int64_t tokens = t - s0 < chunk ? t - s0 : chunk;
+        for (int64_t i = 0; i < in_blocks; i++) {
+            const int cols = m - i * NR16 < NR16 ? (int)(m - i * NR16) : NR16;
+            pack_columns(tokens, x + s0 * ldx, ldx, i * NR16, cols, xp + i * tokens * NR16);
+        }
+        for (int64_t o0 = 0; o0 < n; o0 += NR16) {
+            const int rows = n - o0 < NR16 ? (int)(n - o0) : NR16;
+            pack_columns(tokens, g + s0 * ldg, ldg, o0, rows, gp);
+            for (int64_t i = 0; i < in_blocks; i++) {
+                const int cols = m - i * NR16 < NR16 ? (int)(m - i * NR16) : NR16;
+                grad_weight_block(tokens, gp, xp + i * tokens * NR16, c + o0 * ldc + i * NR16, ldc, rows,
+                                  (__mmask16)((1u << cols) - 1u), s0 == 0);
+            }
+        }
+    }
+    free(xp);
+    return 0;
+}

@@ -170,6 +170,8 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_attention_softmax_backward.argtypes = [i64, i64, i64, pointer, pointer, i64, pointer, pointer, i64,
                                                       ctypes.c_float]
     lib.comlrl_attention_softmax_backward.restype = None
+    lib.comlrl_grad_weight.argtypes = [i64, i64, i64, pointer, i64, pointer, i64, pointer, i64]
+    lib.comlrl_grad_weight.restype = ctypes.c_int
     _library = lib
     return lib
 
@@ -384,6 +386,25 @@ def attention_softmax_backward(prefix_probs: torch.Tensor, prefix_grad: torch.Te
     library().comlrl_attention_softmax_backward(blocks, rows, period, prefix_probs.data_ptr(), prefix_grad.data_ptr(),
                                                 width, None if own_probs is None else own_probs.data_ptr(),
                                                 None if own_grad is None else own_grad.data_ptr(), own_len, scale)
+
+
+def grad_weight(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`grad^T x` (out, in): a linear layer's weight gradient from its output gradient `grad`
+    (tokens, out) and input `x` (tokens, in), fp32, rows strided as they come (the last dimension
+    contiguous), with no transposed copies; each element sums over the tokens in order, one fused
+    multiply-add at a time. AVX-512 CPUs only (`AVX512_PANELS`)."""
+    tokens, n = grad.shape
+    m = x.shape[1]
+    if not AVX512_PANELS:
+        raise ValueError("decode_kernels.grad_weight needs a CPU on which PyTorch runs AVX-512 code")
+    if (x.shape[0] != tokens or grad.dtype != torch.float32 or x.dtype != torch.float32
+            or (n > 1 and grad.stride(1) != 1) or (m > 1 and x.stride(1) != 1)):
+        raise ValueError("decode_kernels.grad_weight needs fp32 (tokens, out) and (tokens, in) with contiguous rows")
+    out = torch.empty(n, m, dtype=torch.float32)
+    if library().comlrl_grad_weight(tokens, n, m, grad.data_ptr(), grad.stride(0), x.data_ptr(), x.stride(0),
+                                    out.data_ptr(), m):
+        raise MemoryError(f"decode_kernels: no memory for the panels of a {tokens}-token weight gradient")
+    return out
 
 
 def _aligned_empty(floats: int) -> torch.Tensor:

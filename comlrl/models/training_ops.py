@@ -156,11 +156,24 @@ def _parameter_grads(ctx, grad: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     first = ctx.weights_at
     grad_weights = [None] * len(weight_parts)
     if any(ctx.needs_input_grad[first:first + len(weight_parts)]):
-        grad_weights = _split_like(onednn.grad_weight(grad, x, weight), weight_parts)
+        grad_weights = _split_like(_weight_gradient(grad, x, weight), weight_parts)
     grad_biases = [None] * len(bias_parts)
     if bias_parts and any(ctx.needs_input_grad[first + len(weight_parts):]):
         grad_biases = _split_like(grad.sum(dim=0), bias_parts)
     return grad_weights, grad_biases
+
+
+def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """grad^T x. Where fp32 products go through oneDNN (`onednn.FP32_THROUGH_ONEDNN`: AVX-512 on a
+    CPU that is not Intel's) and the C kernels run, through `decode_kernels.grad_weight`, which reads
+    both operands in place: oneDNN copies them transposed first. Zen 4 EPYC, one thread, 600 tokens:
+    1024 x 256 4.13 -> 3.03 ms (76 -> 104 GFLOP/s), 256 x 512 1.74 -> 1.49 ms, 768 x 256 2.69 ->
+    2.21 ms. Elsewhere `onednn.grad_weight` (MKL takes transposed operands as they are)."""
+    if (onednn.FP32_THROUGH_ONEDNN and decode_kernels.AVX512_PANELS and grad.dtype == torch.float32
+            and x.dtype == torch.float32 and grad.stride(-1) == 1 and x.stride(-1) == 1
+            and weight.numel() >= onednn.MIN_WEIGHT_ELEMENTS and decode_kernels.runs(grad)):
+        return decode_kernels.grad_weight(grad, x)
+    return onednn.grad_weight(grad, x, weight)
 
 
 class Replayed:
