@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from comlrl.losses import bucketed_width, completion_mask, shared_prompt_token_logprobs
-from comlrl.models import decode_kernels, lean, load_causal_lm, load_tokenizer
+from comlrl.models import decode_kernels, lean, load_causal_lm, load_tokenizer, training_ops
 from comlrl.models.lean import StackedLeanDecoder, lean_decoder_for, shared_prompt_logits
 from comlrl.models.lean import _StackedRecord
 from comlrl.rollout import SamplingSettings, sample_agents
@@ -121,6 +121,44 @@ def test_a_replayed_forward_keeps_no_gate_up_output():
 
     assert kept_gate_ups(None) == model.config.num_hidden_layers
     assert kept_gate_ups(record.replayed([0], 0, steps - 1)) == 0
+
+
+def test_swiglu_backward_reads_the_recorded_gate_up_rows_in_place(monkeypatch):
+    """SwiGLU's backward reads a replayed gate/up's rows where the record holds them (no gathered
+    copy): the addresses are the gather's rows, in its order, and the log-probs and every gradient
+    equal the gathering path's bit for bit, for prompts and crops as the trainer's chunks take them."""
+    model = tiny(Qwen2Config)
+    model.train()
+    k, steps = 3, 7
+    torch.manual_seed(4)
+    prompt_ids, prompt_mask = torch.randint(6, 97, (3, 6)), torch.ones(3, 6, dtype=torch.long)
+    prompt_mask[1, :2] = 0
+    completions = torch.randint(6, 97, (3 * k, steps))
+    mask = completion_mask(completions, [EOS])
+    (record,) = _teacher_forced_records([model], prompt_ids, prompt_mask, completions, k)
+    gate_up = lean.PROJECTIONS.index("gate_up")
+    nodes, first_column, width = [2, 1], 1, steps - 2
+    addresses, owners = record.replayed(nodes, first_column, width - 1)[0][gate_up].take_rows()
+    gathered = record.replayed(nodes, first_column, width - 1)[0][gate_up].take()
+    grad_hidden = torch.randn(gathered.shape[0], gathered.shape[1] // 2)
+    in_place = decode_kernels.swiglu_backward_rows(addresses, owners, grad_hidden)
+    copied = decode_kernels.swiglu_backward(gathered, grad_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(in_place, copied))
+    with pytest.raises(ValueError, match="outside"):
+        decode_kernels.swiglu_backward_rows(addresses + 8 * gathered.numel(), owners, grad_hidden)
+
+    rows = torch.tensor([n * k + j for n in nodes for j in range(k)])
+    args = (model, prompt_ids[nodes, first_column:], prompt_mask[nodes, first_column:], completions[rows, :width],
+            mask[rows, :width], k)
+    taken = []
+    original = decode_kernels.swiglu_backward_rows
+    monkeypatch.setattr(decode_kernels, "swiglu_backward_rows", lambda *a: taken.append(1) or original(*a))
+    logprobs, grads = _logprobs_and_grads(*args, record.replayed(nodes, first_column, width - 1))
+    assert len(taken) == model.config.num_hidden_layers
+    monkeypatch.setattr(training_ops.Replayed, "take_rows", lambda self: None)  # every consumer gathers
+    expected, expected_grads = _logprobs_and_grads(*args, record.replayed(nodes, first_column, width - 1))
+    assert torch.equal(logprobs, expected)
+    assert all(torch.equal(got, want) for got, want in zip(grads, expected_grads))
 
 
 def test_replayed_outputs_are_taken_once():

@@ -549,12 +549,15 @@ void comlrl_rotate_into_cache(int64_t rows, int64_t heads, int64_t kv_heads, int
  * silu(gate) * up, grad_hidden (rows x n): grad_gate_up (rows x 2n) = [grad_hidden * up *
  * s (1 + gate (1 - s)) | grad_hidden * gate s], s = sigmoid(gate); with `hidden` (not NULL), also
  * the forward's output silu(gate) * up (rows x n), as comlrl_silu_mul computes it, from the same
- * pass over gate_up (the weight gradient of the projection after SwiGLU needs it). */
-void comlrl_swiglu_backward(int64_t rows, int64_t n, const float *gate_up, const float *grad_hidden,
-                            float *grad_gate_up, float *hidden) {
+ * pass over gate_up (the weight gradient of the projection after SwiGLU needs it). With
+ * `gate_up_rows` (not NULL), row r of gate_up is at the address gate_up_rows[r] instead (rows read
+ * in place where they were recorded, `ProjectionRecord`), and `gate_up` is not read. */
+void comlrl_swiglu_backward(int64_t rows, int64_t n, const float *gate_up, const int64_t *gate_up_rows,
+                            const float *grad_hidden, float *grad_gate_up, float *hidden) {
     const __m256 one = _mm256_set1_ps(1.0f);
     for (int64_t r = 0; r < rows; r++) {
-        const float *gate = gate_up + r * 2 * n, *up = gate + n, *grad = grad_hidden + r * n;
+        const float *gate = gate_up_rows ? (const float *)(intptr_t)gate_up_rows[r] : gate_up + r * 2 * n;
+        const float *up = gate + n, *grad = grad_hidden + r * n;
         float *grad_gate = grad_gate_up + r * 2 * n, *grad_up = grad_gate + n, *h = hidden ? hidden + r * n : 0;
         int64_t i = 0;
         for (; i + 8 <= n; i += 8) {

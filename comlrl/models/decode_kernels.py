@@ -153,7 +153,7 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_silu_mul.restype = None
     lib.comlrl_rotate_into_cache.argtypes = [i64, i64, i64, i64, pointer, i64, pointer, pointer, pointer, i64, i64]
     lib.comlrl_rotate_into_cache.restype = None
-    lib.comlrl_swiglu_backward.argtypes = [i64, i64, pointer, pointer, pointer, pointer]
+    lib.comlrl_swiglu_backward.argtypes = [i64, i64, pointer, pointer, pointer, pointer, pointer]
     lib.comlrl_swiglu_backward.restype = None
     lib.comlrl_rms_norm.argtypes = [i64, i64, pointer, pointer, ctypes.c_float, pointer, pointer, pointer]
     lib.comlrl_rms_norm.restype = None
@@ -277,8 +277,33 @@ def swiglu_backward(gate_up: torch.Tensor, grad_hidden: torch.Tensor) -> Tuple[t
         raise ValueError("decode_kernels.swiglu_backward needs a contiguous [gate | up] and a gradient of half its width")
     grad_gate_up = torch.empty_like(gate_up)
     hidden = torch.empty_like(grad_hidden)
-    library().comlrl_swiglu_backward(gate_up.numel() // gate_up.shape[-1], half, gate_up.data_ptr(),
+    library().comlrl_swiglu_backward(gate_up.numel() // gate_up.shape[-1], half, gate_up.data_ptr(), None,
                                      grad_hidden.data_ptr(), grad_gate_up.data_ptr(), hidden.data_ptr())
+    return hidden, grad_gate_up
+
+
+def swiglu_backward_rows(row_addresses: torch.Tensor, owners: Tuple[torch.Tensor, ...],
+                         grad_hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`swiglu_backward` with gate_up's rows read where they lie: row r of gate_up is the
+    2 * n floats at the address `row_addresses[r]` (int64, one per row of `grad_hidden` (rows, n)),
+    inside one of `owners` (fp32 tensors whose rows are contiguous; checked). For rows that a
+    `ProjectionRecord` holds, which a gather would copy first."""
+    rows, half = grad_hidden.shape
+    grad_hidden = grad_hidden.contiguous()
+    if (grad_hidden.dtype != torch.float32 or row_addresses.dtype != torch.int64 or not row_addresses.is_contiguous()
+            or row_addresses.shape != (rows,)):
+        raise ValueError("decode_kernels.swiglu_backward_rows needs fp32 gradients and one int64 address per row")
+    inside = torch.zeros(rows, dtype=torch.bool)
+    for owner in owners:
+        if owner.dtype == torch.float32 and owner.shape[-1] == 2 * half and owner.stride(-1) == 1:
+            start = owner.untyped_storage().data_ptr()
+            inside |= (row_addresses >= start) & (row_addresses + 8 * half <= start + owner.untyped_storage().nbytes())
+    if not bool(inside.all()):
+        raise ValueError("decode_kernels.swiglu_backward_rows: a row address lies outside the tensors that hold gate_up")
+    grad_gate_up = grad_hidden.new_empty(rows, 2 * half)
+    hidden = torch.empty_like(grad_hidden)
+    library().comlrl_swiglu_backward(rows, half, None, row_addresses.data_ptr(), grad_hidden.data_ptr(),
+                                     grad_gate_up.data_ptr(), hidden.data_ptr())
     return hidden, grad_gate_up
 
 

@@ -432,9 +432,22 @@ class ProjectionRecord:
         every prompt's tokens, then every row's (rows prompt-major); None for a projection not
         recorded. Each is gathered when the forward reaches it."""
         return [tuple(None if prompt is None else
-                      training_ops.Replayed(functools.partial(self._gather, prompt, step, nodes, first_column, steps))
+                      training_ops.Replayed(functools.partial(self._gather, prompt, step, nodes, first_column, steps),
+                                            functools.partial(self._row_addresses, prompt, step, nodes, first_column,
+                                                              steps))
                       for prompt, step in zip(prompt_parts, step_parts))
                 for prompt_parts, step_parts in zip(self.prompt, self.steps)]
+
+    def _row_addresses(self, prompt: torch.Tensor, step: torch.Tensor, nodes: List[int], first_column: int,
+                       steps: int) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """Where `_gather`'s rows lie in the record, in its order: (int64 addresses, (prompt, step))."""
+        k, size = self.group_size, prompt.element_size()
+        node = torch.tensor(nodes, dtype=torch.int64)
+        columns = torch.arange(first_column, prompt.shape[1], dtype=torch.int64)
+        prompt_rows = (node[:, None] * prompt.stride(0) + columns * prompt.stride(1)).reshape(-1)
+        completion_rows = ((node[:, None, None] * k + torch.arange(k)[:, None]) * step.stride(1)
+                           + torch.arange(steps) * step.stride(0)).reshape(-1)
+        return torch.cat([prompt.data_ptr() + prompt_rows * size, step.data_ptr() + completion_rows * size]), (prompt, step)
 
     def _gather(self, prompt: torch.Tensor, step: torch.Tensor, nodes: List[int], first_column: int,
                 steps: int) -> torch.Tensor:

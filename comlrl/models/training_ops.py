@@ -186,18 +186,34 @@ class Replayed:
     It holds a function that gathers the output, called when the forward reaches the projection,
     so that no more of it is alive at a time than of a computed output. A plain object, not a
     tensor argument of the autograd functions, so that the gathered tensor is their output and not
-    a view of an input."""
+    a view of an input.
 
-    __slots__ = ("_gather",)
+    With `rows`, a function that says where the output's rows already lie (int64 addresses, one per
+    row, and the tensors that hold them), a consumer that reads rows in place (`swiglu_linear`'s
+    backward) takes them that way instead of a gathered copy (`take_rows`)."""
 
-    def __init__(self, gather: Callable[[], torch.Tensor]):
-        self._gather = gather
+    __slots__ = ("_gather", "_rows")
+
+    def __init__(self, gather: Callable[[], torch.Tensor],
+                 rows: Optional[Callable[[], Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]]] = None):
+        self._gather, self._rows = gather, rows
 
     def take(self) -> torch.Tensor:
-        gather, self._gather = self._gather, None
+        gather, self._gather, self._rows = self._gather, None, None
         if gather is None:
             raise RuntimeError("a replayed projection output was already taken")
         return gather()
+
+    def take_rows(self) -> Optional[Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]]:
+        """(row addresses, the tensors holding them) in place of `take`'s copy, or None (nothing
+        taken) where the source cannot say."""
+        if self._gather is None:
+            raise RuntimeError("a replayed projection output was already taken")
+        rows, self._rows = self._rows, None
+        if rows is None:
+            return None
+        self._gather = None
+        return rows()
 
 
 def _deferred(rows: int, weight_parts, dtype, device) -> torch.Tensor:
@@ -321,13 +337,19 @@ class _SwiGLULinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate_up, weight, *bias = ctx.saved_tensors
+        in_place = None
         if ctx.replayed_input is not None:  # taken once: a second backward pass raises (`Replayed.take`)
-            gate_up = ctx.replayed_input.take().to(ctx.dtype)
-        if _kernels_take(gate_up):
+            if ctx.dtype == torch.float32 and decode_kernels.runs(grad):  # rows read where recorded, no gather
+                in_place = ctx.replayed_input.take_rows()
+            if in_place is None:
+                gate_up = ctx.replayed_input.take().to(ctx.dtype)
+        if in_place is not None or _kernels_take(gate_up):
             # The input gradient first; then one pass over gate_up recomputes SwiGLU's output (as the
             # forward computed it, bitwise) for the weight gradient and gives gate_up's gradient.
             joined = joined_weight([weight], ctx.dtype)
-            hidden, grad_gate_up = decode_kernels.swiglu_backward(gate_up, onednn.grad_input(grad, joined).float())
+            grad_hidden = onednn.grad_input(grad, joined).float()
+            hidden, grad_gate_up = (decode_kernels.swiglu_backward(gate_up, grad_hidden) if in_place is None
+                                    else decode_kernels.swiglu_backward_rows(*in_place, grad_hidden))
             (grad_w,), grad_bias = _parameter_grads(ctx, grad, hidden, joined, [weight], bias)
             return grad_gate_up, grad_w, (grad_bias or [None])[0], None, None, None
         gate, up = gate_up.chunk(2, dim=-1)
