@@ -301,6 +301,54 @@ def test_weight_gradient_of_no_tokens_is_zero_and_bad_layouts_are_refused():
         decode_kernels.grad_weight(torch.randn(8, 20, dtype=torch.float64), torch.randn(8, 9, dtype=torch.float64))
 
 
+def _causal_weights(blocks: int, heads: int, period: int, generator) -> torch.Tensor:
+    """(blocks, heads * period, period) weights that are 0 past each row's position, as the
+    attention's probabilities and score gradients are after the softmax kernels."""
+    weights = torch.randn(blocks, heads * period, period, generator=generator)
+    position = torch.arange(heads * period) % period
+    return weights.masked_fill(torch.arange(period) > position[:, None], 0.0)
+
+
+@needs_avx512
+@pytest.mark.parametrize("blocks, heads, period, dim", [
+    (16, 2, 63, 64),  # the L benchmark's blocks
+    (3, 3, 17, 8),  # narrow heads: masked lanes
+    (2, 1, 1, 16),  # one step
+    (4, 2, 40, 24),
+    (2, 2, 70, 128),  # two 64-wide passes; five 16-column blocks
+])
+def test_own_token_products_compute_the_causal_half_of_the_batched_products(blocks, heads, period, dim):
+    """The training attention's products over each row's own tokens (`own_scores`, `own_weighted`,
+    `own_transposed`) equal torch.bmm where a row sees the key (position >= key), to float rounding."""
+    generator = torch.Generator().manual_seed(period * dim)
+    queries = torch.randn(blocks, heads * period, dim, generator=generator)
+    keys = torch.randn(blocks, period, dim, generator=generator)
+    weights = _causal_weights(blocks, heads, period, generator)
+    seen = torch.arange(period) <= (torch.arange(heads * period) % period)[:, None]
+    scores = decode_kernels.own_scores(queries, keys)
+    expected = torch.bmm(queries.double(), keys.double().transpose(1, 2))
+    torch.testing.assert_close(torch.where(seen, scores.double(), 0.0), torch.where(seen, expected, 0.0),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(decode_kernels.own_weighted(weights, keys).double(),
+                               torch.bmm(weights.double(), keys.double()), rtol=1e-5, atol=1e-5)
+    transposed = decode_kernels.own_transposed(weights, queries)
+    torch.testing.assert_close(transposed.double(), torch.bmm(weights.double().transpose(1, 2), queries.double()),
+                               rtol=1e-5, atol=1e-5)
+    # Weights without room past their end are copied first (the kernel reads four keys at a time).
+    tight = torch.empty(weights.numel()).view_as(weights).copy_(weights)
+    assert torch.equal(decode_kernels.own_transposed(tight, queries), transposed)
+
+
+@needs_avx512
+def test_own_token_products_refuse_shapes_that_are_not_whole_periods():
+    with pytest.raises(ValueError, match="whole periods"):
+        decode_kernels.own_scores(torch.randn(2, 7, 8), torch.randn(2, 3, 8))
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        decode_kernels.own_weighted(torch.randn(2, 6, 3).transpose(1, 2), torch.randn(2, 3, 8))
+    with pytest.raises(ValueError, match="head size"):
+        decode_kernels.own_scores(torch.randn(2, 6, 8), torch.randn(2, 3, 4))
+
+
 @needs_kernel
 def test_decode_kernels_and_torch_ops_decode_the_same_tokens(tiny_medium_model_dir, monkeypatch):
     """Sampling with the kernels (projections, attention, norms, SwiGLU) and with torch ops (their fp32 sums

@@ -868,3 +868,195 @@ int comlrl_grad_weight(int64_t t, int64_t n, int64_t m, const float *g, int64_t 
     free(xp);
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * The training attention's products over each row's own tokens (`training_ops.shared_prefix_attention`),
+ * on AVX-512 CPUs. Block b holds `rows` queries, a KV head's query heads one after another with
+ * `period` positions each (row i sits at position i % period), against the row's `period` own keys
+ * and values of `dim` floats. Position p sees keys 0 .. p only, so each product runs over its causal
+ * half: torch.bmm multiplies every column of these small blocks (63 x 64 at the L benchmark's
+ * shape), half of them masked, at well under the core's peak. The probabilities and the score
+ * gradients are 0 past a row's position (`comlrl_attention_softmax` and its backward write them),
+ * so a product over keys may run to the end of a group of rows and add exact zeros.
+ * ------------------------------------------------------------------------------------------------ */
+#define OWN_ROWS 4
+
+static inline int64_t own_last_position(int64_t i0, int64_t count, int64_t period) {
+    int64_t last = 0;
+    for (int64_t i = i0; i < i0 + count; i++) last = i % period > last ? i % period : last;
+    return last;
+}
+
+/* c[r][jb * 16 ..] = sum_d a[r][d] * kt[d][jb * 16 ..] for 4 rows and NJ 16-column blocks. */
+#define OWN_SCORES_KERNEL(NJ) \
+static AVX512 void own_scores_##NJ(int64_t dim, const float *const a[OWN_ROWS], const float *kt, int64_t ldk, \
+                                   float *const c[OWN_ROWS], int rows, const __mmask16 *masks) { \
+    __m512 acc[OWN_ROWS][NJ]; \
+    for (int r = 0; r < OWN_ROWS; r++) for (int j = 0; j < NJ; j++) acc[r][j] = _mm512_setzero_ps(); \
+    for (int64_t d = 0; d < dim; d++) { \
+        __m512 keys[NJ]; \
+        for (int j = 0; j < NJ; j++) keys[j] = _mm512_load_ps(kt + d * ldk + j * 16); \
+        for (int r = 0; r < OWN_ROWS; r++) { \
+            const __m512 x = _mm512_set1_ps(a[r][d]); \
+            for (int j = 0; j < NJ; j++) acc[r][j] = _mm512_fmadd_ps(x, keys[j], acc[r][j]); \
+        } \
+    } \
+    for (int r = 0; r < OWN_ROWS; r++) /* constant bounds: the sums stay in registers */ \
+        if (r < rows) for (int j = 0; j < NJ; j++) _mm512_mask_storeu_ps(c[r] + j * 16, masks[j], acc[r][j]); \
+}
+OWN_SCORES_KERNEL(1) OWN_SCORES_KERNEL(2) OWN_SCORES_KERNEL(3) OWN_SCORES_KERNEL(4)
+
+/* scores (blocks, rows, period) = q (blocks, rows, dim) . keys (blocks, period, dim)^T at the columns
+ * a row sees, in whole 16-column blocks (the columns past its position within its last block get
+ * values the softmax does not read; those past that block are not written). Returns -1 (nothing
+ * written) when the scratch cannot be allocated. */
+int comlrl_own_scores(int64_t blocks, int64_t rows, int64_t period, int64_t dim, const float *q, const float *keys,
+                      float *scores) {
+    const int64_t column_blocks = (period + 15) / 16, ldk = column_blocks * 16;
+    float *kt = aligned_alloc(64, (size_t)(dim * ldk * 4 + 63) / 64 * 64 + 64);
+    if (!kt) return -1;
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *kb = keys + b * period * dim;
+        for (int64_t d = 0; d < dim; d++)
+            for (int64_t j = 0; j < ldk; j++) kt[d * ldk + j] = j < period ? kb[j * dim + d] : 0.0f;
+        for (int64_t i0 = 0; i0 < rows; i0 += OWN_ROWS) {
+            const int count = rows - i0 < OWN_ROWS ? (int)(rows - i0) : OWN_ROWS;
+            const float *a[OWN_ROWS];
+            float *c[OWN_ROWS];
+            for (int r = 0; r < OWN_ROWS; r++) {  /* past the last row: reread it, store nothing */
+                const int64_t i = b * rows + i0 + (r < count ? r : count - 1);
+                a[r] = q + i * dim;
+                c[r] = scores + i * period;
+            }
+            const int64_t needed = own_last_position(i0, count, period) / 16 + 1;
+            for (int64_t jb = 0; jb < needed; jb += 4) {
+                const int nj = needed - jb < 4 ? (int)(needed - jb) : 4;
+                __mmask16 masks[4];
+                float *cj[OWN_ROWS];
+                for (int j = 0; j < 4; j++) {
+                    const int64_t left = period - (jb + j) * 16;
+                    masks[j] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+                }
+                for (int r = 0; r < OWN_ROWS; r++) cj[r] = c[r] + jb * 16;
+                switch (nj) {
+                    case 1: own_scores_1(dim, a, kt + jb * 16, ldk, cj, count, masks); break;
+                    case 2: own_scores_2(dim, a, kt + jb * 16, ldk, cj, count, masks); break;
+                    case 3: own_scores_3(dim, a, kt + jb * 16, ldk, cj, count, masks); break;
+                    default: own_scores_4(dim, a, kt + jb * 16, ldk, cj, count, masks); break;
+                }
+            }
+        }
+    }
+    free(kt);
+    return 0;
+}
+
+/* c[r][dc * 16 ..] = sum over j < keys of p[r][j] * v[j][dc * 16 ..] for 4 rows and ND 16-float chunks
+ * of dim (masks: the chunks' lanes in dim). */
+#define OWN_WEIGHTED_KERNEL(ND) \
+static AVX512 void own_weighted_##ND(int64_t keys, const float *const p[OWN_ROWS], const float *v, int64_t ldv, \
+                                     float *const c[OWN_ROWS], int rows, const __mmask16 *masks) { \
+    __m512 acc[OWN_ROWS][ND]; \
+    for (int r = 0; r < OWN_ROWS; r++) for (int d = 0; d < ND; d++) acc[r][d] = _mm512_setzero_ps(); \
+    for (int64_t j = 0; j < keys; j++) { \
+        __m512 values[ND]; \
+        for (int d = 0; d < ND; d++) values[d] = _mm512_maskz_loadu_ps(masks[d], v + j * ldv + d * 16); \
+        for (int r = 0; r < OWN_ROWS; r++) { \
+            const __m512 x = _mm512_set1_ps(p[r][j]); \
+            for (int d = 0; d < ND; d++) acc[r][d] = _mm512_fmadd_ps(x, values[d], acc[r][d]); \
+        } \
+    } \
+    for (int r = 0; r < OWN_ROWS; r++) \
+        if (r < rows) for (int d = 0; d < ND; d++) _mm512_mask_storeu_ps(c[r] + d * 16, masks[d], acc[r][d]); \
+}
+OWN_WEIGHTED_KERNEL(1) OWN_WEIGHTED_KERNEL(2) OWN_WEIGHTED_KERNEL(3) OWN_WEIGHTED_KERNEL(4)
+
+static AVX512 void own_chunk_masks(int64_t dim, int64_t d0, __mmask16 masks[4]) {
+    for (int d = 0; d < 4; d++) {
+        const int64_t left = dim - d0 - d * 16;
+        masks[d] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+    }
+}
+
+/* out (blocks, rows, dim) = p (blocks, rows, period) . values (blocks, period, dim): each row's sum over
+ * the keys it sees (p is 0 past them), the probabilities times the values or the score gradients
+ * times the keys. */
+void comlrl_own_weighted(int64_t blocks, int64_t rows, int64_t period, int64_t dim, const float *p, const float *values,
+                         float *out) {
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t i0 = 0; i0 < rows; i0 += OWN_ROWS) {
+            const int count = rows - i0 < OWN_ROWS ? (int)(rows - i0) : OWN_ROWS;
+            const float *pr[OWN_ROWS];
+            float *c[OWN_ROWS];
+            for (int r = 0; r < OWN_ROWS; r++) {
+                const int64_t i = b * rows + i0 + (r < count ? r : count - 1);
+                pr[r] = p + i * period;
+                c[r] = out + i * dim;
+            }
+            const int64_t keys = own_last_position(i0, count, period) + 1;
+            for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+                __mmask16 masks[4];
+                float *cd[OWN_ROWS];
+                own_chunk_masks(dim, d0, masks);
+                for (int r = 0; r < OWN_ROWS; r++) cd[r] = c[r] + d0;
+                const float *v = values + b * period * dim + d0;
+                switch ((dim - d0 + 15) / 16) {
+                    case 1: own_weighted_1(keys, pr, v, dim, cd, count, masks); break;
+                    case 2: own_weighted_2(keys, pr, v, dim, cd, count, masks); break;
+                    case 3: own_weighted_3(keys, pr, v, dim, cd, count, masks); break;
+                    default: own_weighted_4(keys, pr, v, dim, cd, count, masks); break;
+                }
+            }
+        }
+}
+
+/* c[j][0 .. 63] (+)= sum over `count` consecutive rows i of p[i][j] * x[i][0 .. 63] for 4 keys (c[j]:
+ * the output rows, a scratch row for keys past the last one; masks: which of the 64 dims exist),
+ * the 16 sums in named registers (kept in arrays, GCC stored them to memory every row); with
+ * `accumulate` the sums start from c's. */
+#define OT_INIT(j, d) __m512 a##j##d = accumulate ? _mm512_maskz_loadu_ps(masks[d], c[j] + d * 16) : _mm512_setzero_ps();
+#define OT_FMA(j, d) a##j##d = _mm512_fmadd_ps(w##j, x##d, a##j##d);
+#define OT_STORE(j, d) _mm512_mask_storeu_ps(c[j] + d * 16, masks[d], a##j##d);
+#define OT_KEY(M, j) M(j, 0) M(j, 1) M(j, 2) M(j, 3)
+#define OT_ALL(M) OT_KEY(M, 0) OT_KEY(M, 1) OT_KEY(M, 2) OT_KEY(M, 3)
+static AVX512 void own_transposed_keys(int64_t count, const float *p, int64_t ldp, const float *x, int64_t ldx,
+                                       float *const c[OWN_ROWS], const __mmask16 *masks, int accumulate) {
+    OT_ALL(OT_INIT)
+    for (int64_t n = 0; n < count; n++) {
+        const float *pi = p + n * ldp, *xi = x + n * ldx;
+        const __m512 x0 = _mm512_maskz_loadu_ps(masks[0], xi), x1 = _mm512_maskz_loadu_ps(masks[1], xi + 16);
+        const __m512 x2 = _mm512_maskz_loadu_ps(masks[2], xi + 32), x3 = _mm512_maskz_loadu_ps(masks[3], xi + 48);
+        const __m512 w0 = _mm512_set1_ps(pi[0]), w1 = _mm512_set1_ps(pi[1]);
+        const __m512 w2 = _mm512_set1_ps(pi[2]), w3 = _mm512_set1_ps(pi[3]);
+        OT_ALL(OT_FMA)
+    }
+    OT_ALL(OT_STORE)
+}
+
+/* out (blocks, period, dim) = p (blocks, rows, period)^T . x (blocks, rows, dim): key j's sum over the
+ * rows that see it (position >= j; p is 0 elsewhere), the values' and the keys' gradients. Four
+ * keys' weights are read from a row at a time, so p must be readable 3 floats past its end (the
+ * sums of keys past `period` are not stored). */
+void comlrl_own_transposed(int64_t blocks, int64_t rows, int64_t period, int64_t dim, const float *p, const float *x,
+                           float *out) {
+    float scratch[64] __attribute__((aligned(64))) = {0};  /* the sums of keys past the last, 64 dims a pass */
+    const int64_t heads = rows / period;
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *pb = p + b * rows * period, *xb = x + b * rows * dim;
+        float *ob = out + b * period * dim;
+        for (int64_t j0 = 0; j0 < period; j0 += OWN_ROWS) {
+            const int keys = period - j0 < OWN_ROWS ? (int)(period - j0) : OWN_ROWS;
+            for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+                __mmask16 masks[4];
+                own_chunk_masks(dim, d0, masks);
+                float *c[OWN_ROWS];
+                for (int j = 0; j < OWN_ROWS; j++) c[j] = j < keys ? ob + (j0 + j) * dim + d0 : scratch;
+                for (int64_t h = 0; h < heads; h++) {  /* the head's rows at positions j0 on */
+                    const int64_t i = h * period + j0, count = period - j0;
+                    const float *ph = pb + i * period + j0, *xh = xb + i * dim + d0;
+                    own_transposed_keys(count, ph, period, xh, dim, c, masks, h > 0);
+                }
+            }
+        }
+    }
+}

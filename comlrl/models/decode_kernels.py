@@ -172,6 +172,10 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_attention_softmax_backward.restype = None
     lib.comlrl_grad_weight.argtypes = [i64, i64, i64, pointer, i64, pointer, i64, pointer, i64]
     lib.comlrl_grad_weight.restype = ctypes.c_int
+    for name in ("comlrl_own_scores", "comlrl_own_weighted", "comlrl_own_transposed"):
+        getattr(lib, name).argtypes = [i64, i64, i64, i64, pointer, pointer, pointer]
+    lib.comlrl_own_scores.restype = ctypes.c_int
+    lib.comlrl_own_weighted.restype = lib.comlrl_own_transposed.restype = None
     _library = lib
     return lib
 
@@ -429,6 +433,75 @@ def grad_weight(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if library().comlrl_grad_weight(tokens, n, m, grad.data_ptr(), grad.stride(0), x.data_ptr(), x.stride(0),
                                     out.data_ptr(), m):
         raise MemoryError(f"decode_kernels: no memory for the panels of a {tokens}-token weight gradient")
+    return out
+
+
+def _own_blocks(a: torch.Tensor, b: torch.Tensor, period: int) -> Tuple[int, int]:
+    """(blocks, rows) of the own-token products' operands, checked: contiguous fp32 (blocks,
+    rows, ...) and (blocks, ...), rows a whole number of periods."""
+    blocks, rows = a.shape[0], a.shape[1]
+    for t in (a, b):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 3 or t.shape[0] != blocks:
+            raise ValueError("decode_kernels: the own-token products need contiguous fp32 (blocks, rows, n) tensors")
+    if period < 1 or rows % period:
+        raise ValueError(f"decode_kernels: {rows} rows are not whole periods of {period} positions")
+    if not AVX512_PANELS:
+        raise ValueError("decode_kernels: the own-token products need a CPU on which PyTorch runs AVX-512 code")
+    return blocks, rows
+
+
+_OWN_PADDING = 3
+
+
+def _padded_empty(*shape: int) -> torch.Tensor:
+    """An fp32 tensor of `shape` whose storage runs `_OWN_PADDING` floats past its end."""
+    count = 1
+    for n in shape:
+        count *= n
+    return torch.empty(count + _OWN_PADDING, dtype=torch.float32)[:count].view(shape)
+
+
+def own_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The training attention's scores of each row's queries against its own tokens, causal:
+    `queries` (blocks, heads * period, dim), a KV head's query heads one after another, `keys`
+    (blocks, period, dim); returns (blocks, heads * period, period) whose row at position p holds
+    the products with keys 0 .. p (columns further on, up to the end of their 16-column block, hold
+    values to be ignored; the rest is not written). `attention_softmax` reads only the seen ones."""
+    period, dim = keys.shape[1], queries.shape[2]
+    blocks, rows = _own_blocks(queries, keys, period)
+    if keys.shape[2] != dim:
+        raise ValueError("decode_kernels.own_scores: queries and keys differ in head size")
+    out = _padded_empty(blocks, rows, period)  # `own_transposed` reads it 4 columns at a time
+    if library().comlrl_own_scores(blocks, rows, period, dim, queries.data_ptr(), keys.data_ptr(), out.data_ptr()):
+        raise MemoryError("decode_kernels: no memory for the keys' transposed copy")
+    return out
+
+
+def own_weighted(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`torch.bmm(weights, values)` for `weights` (blocks, heads * period, period) that are 0 past
+    each row's position (probabilities or score gradients after `attention_softmax`) and
+    `values` (blocks, period, dim): each row sums over the keys it sees only."""
+    period, dim = weights.shape[2], values.shape[2]
+    blocks, rows = _own_blocks(weights, values, period)
+    if values.shape[1] != period:
+        raise ValueError("decode_kernels.own_weighted: the weights' columns are not the values' rows")
+    out = torch.empty(blocks, rows, dim, dtype=torch.float32)
+    library().comlrl_own_weighted(blocks, rows, period, dim, weights.data_ptr(), values.data_ptr(), out.data_ptr())
+    return out
+
+
+def own_transposed(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`torch.bmm(weights.transpose(1, 2), x)` for `weights` as in `own_weighted` and `x` (blocks,
+    heads * period, dim): key j sums over the rows at positions >= j only."""
+    period, dim = weights.shape[2], x.shape[2]
+    blocks, rows = _own_blocks(weights, x, period)
+    if x.shape[1] != rows:
+        raise ValueError("decode_kernels.own_transposed: the weights and x differ in rows")
+    readable = weights.untyped_storage().nbytes() // 4 - weights.storage_offset()
+    if readable < weights.numel() + _OWN_PADDING:  # the kernel reads 4 keys' weights at once
+        weights = _padded_empty(*weights.shape).copy_(weights)
+    out = torch.empty(blocks, period, dim, dtype=torch.float32)
+    library().comlrl_own_transposed(blocks, rows, period, dim, weights.data_ptr(), x.data_ptr(), out.data_ptr())
     return out
 
 

@@ -434,6 +434,30 @@ def _unblock(prompt: torch.Tensor, completion: torch.Tensor, shape: AttentionSha
     out_completion.view(g, k, s, kv, n, d).copy_(completion.view(g, kv, k, n, s, d).permute(0, 2, 4, 1, 3, 5))
 
 
+def _own_kernels(x: torch.Tensor) -> bool:
+    """Whether the products over the rows' own tokens run as `decode_kernels`' causal ones (AVX-512
+    CPUs; a completion of at least one step) rather than `torch.bmm` over every column."""
+    return decode_kernels.AVX512_PANELS and x.shape[-2] > 0 and x.shape[0] > 0
+
+
+def _own_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    if _own_kernels(keys):
+        return decode_kernels.own_scores(queries, keys)
+    return torch.bmm(queries, keys.transpose(1, 2))
+
+
+def _own_weighted(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    if _own_kernels(values):
+        return decode_kernels.own_weighted(weights, values)
+    return torch.bmm(weights, values)
+
+
+def _own_transposed(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if _own_kernels(weights.transpose(1, 2)):
+        return decode_kernels.own_transposed(weights, x)
+    return torch.bmm(weights.transpose(1, 2), x)
+
+
 class _SharedPrefixAttention(torch.autograd.Function):
     """See `shared_prefix_attention`. Saves the queries, keys and values in the blocked layout and the
     probabilities; the backward pass runs the products' transposes and one C pass for the softmax."""
@@ -452,11 +476,11 @@ class _SharedPrefixAttention(torch.autograd.Function):
         prompt_probs = torch.bmm(q_prompt, k_prompt.transpose(1, 2))
         decode_kernels.attention_softmax(prompt_probs, None, g * kv, w, prompt_bias, scale)
         prefix_probs = torch.bmm(q_rows, k_prompt.transpose(1, 2))
-        own_probs = torch.bmm(q_completion, k_completion.transpose(1, 2))
+        own_probs = _own_scores(q_completion, k_completion)
         decode_kernels.attention_softmax(prefix_probs, own_probs, g * kv * k, s, prefix_bias, scale)
 
         attended_prompt = torch.bmm(prompt_probs, v_prompt)
-        attended = torch.bmm(own_probs, v_completion)
+        attended = _own_weighted(own_probs, v_completion)
         attended.view(g * kv, k * group * s, d).baddbmm_(prefix_probs, v_prompt)
         out = query_key.new_empty(query_key.shape[0], heads, d)
         _unblock(attended_prompt, attended, shape, out)
@@ -479,21 +503,21 @@ class _SharedPrefixAttention(torch.autograd.Function):
         # Values: probabilities^T x output gradient.
         grad_v_prompt = torch.bmm(prefix_probs.transpose(1, 2), grad_rows)
         grad_v_prompt.baddbmm_(prompt_probs.transpose(1, 2), grad_prompt)
-        grad_v_completion = torch.bmm(own_probs.transpose(1, 2), grad_completion)
+        grad_v_completion = _own_transposed(own_probs, grad_completion)
         # Scores: output gradient x values^T, through the softmax (in place).
         grad_prompt_scores = torch.bmm(grad_prompt, v_prompt.transpose(1, 2))
         decode_kernels.attention_softmax_backward(prompt_probs, grad_prompt_scores, None, None, g * kv, w, scale)
         grad_prefix_scores = torch.bmm(grad_rows, v_prompt.transpose(1, 2))
-        grad_own_scores = torch.bmm(grad_completion, v_completion.transpose(1, 2))
+        grad_own_scores = _own_scores(grad_completion, v_completion)
         decode_kernels.attention_softmax_backward(prefix_probs, grad_prefix_scores, own_probs, grad_own_scores,
                                                   g * kv * k, s, scale)
         # Queries and keys from the score gradients.
         grad_q_prompt = torch.bmm(grad_prompt_scores, k_prompt)
-        grad_q_completion = torch.bmm(grad_own_scores, k_completion)
+        grad_q_completion = _own_weighted(grad_own_scores, k_completion)
         grad_q_completion.view(g * kv, k * group * s, d).baddbmm_(grad_prefix_scores, k_prompt)
         grad_k_prompt = torch.bmm(grad_prefix_scores.transpose(1, 2), q_rows)
         grad_k_prompt.baddbmm_(grad_prompt_scores.transpose(1, 2), q_prompt)
-        grad_k_completion = torch.bmm(grad_own_scores.transpose(1, 2), q_completion)
+        grad_k_completion = _own_transposed(grad_own_scores, q_completion)
 
         tokens = grad.shape[0]
         grad_query_key = grad.new_empty(tokens, heads + kv, d)
