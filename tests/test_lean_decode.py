@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Mistra
 
 from comlrl import rollout
 from comlrl.models import lean as lean_module
-from comlrl.models import decode_kernels, onednn
+from comlrl.models import decode_kernels, onednn, pages
 from comlrl.models import load_causal_lm, load_tokenizer
 from comlrl.models.lean import StackedLeanDecoder, cache_argument, lean_decoder_for, supports_lean_path
 from comlrl.precision import autocast
@@ -297,3 +297,23 @@ def test_cuda_graphs_are_used_only_on_cuda_devices(monkeypatch):
     assert not rollout.use_cuda_graphs(torch.device("cuda", 0), rollout.CUDA_GRAPH_MIN_NEW_TOKENS - 1)
     monkeypatch.setenv("COMLRL_CUDA_GRAPHS", "0")
     assert not rollout.use_cuda_graphs(torch.device("cuda", 0), 64)
+
+
+@pytest.mark.parametrize("nbytes", [3 * 1024, 5 * pages.HUGE_PAGE_BYTES + 100])
+def test_an_arena_hands_out_zeroed_aligned_tensors_that_outlive_it(nbytes):
+    """The decode cache's memory (`pages.Arena`): zeroed, each tensor cache-line aligned, the large
+    arena on a huge-page boundary (its own mapping), asking past its size refused, and the tensors
+    stay valid after the arena object is gone (they keep the mapping)."""
+    arena = pages.Arena(nbytes)
+    first = arena.take(3, 5, dtype=torch.float32)
+    second = arena.take((nbytes - 200) // 8 - 8, dtype=torch.float64)
+    assert first.data_ptr() % pages.ALIGN == 0 and second.data_ptr() % pages.ALIGN == 0
+    assert second.data_ptr() >= first.data_ptr() + first.numel() * 4
+    if nbytes >= pages.HUGE_PAGE_BYTES and hasattr(pages.mmap, "MADV_HUGEPAGE"):
+        assert first.data_ptr() % pages.HUGE_PAGE_BYTES == 0
+    assert not first.any() and not second.any()
+    with pytest.raises(ValueError, match="more bytes asked"):
+        arena.take(64, dtype=torch.float32)
+    del arena
+    second.fill_(2.5)
+    assert float(second.sum()) == 2.5 * second.numel()

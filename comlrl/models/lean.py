@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from . import onednn, decode_kernels, training_ops
+from . import onednn, decode_kernels, pages, training_ops
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -185,11 +185,19 @@ class StackedLeanDecoder:
         It starts zeroed: a fixed-shape step (see `step`) reads every column, and a column not yet
         written must give a finite score for its -inf bias to zero it."""
         keys, values = [], []
+        arena = None
+        if prefix_values[0].device.type == "cpu":  # one zeroed mapping on huge pages (`pages`), freed with the cache
+            arena = pages.Arena(sum(2 * p.shape[0] * group_size * p.shape[1] * max_new_tokens * p.shape[3]
+                                    * p.element_size() + 2 * pages.ALIGN for p in prefix_values))
         for prefix in prefix_values:
             prompts, heads, _, dim = prefix.shape
             rows = prompts * group_size  # prompts of every agent
-            values.append(prefix.new_zeros(rows, heads, max_new_tokens, dim))
-            keys.append(prefix.new_zeros(rows, heads, dim, max_new_tokens))
+            if arena is not None:
+                values.append(arena.take(rows, heads, max_new_tokens, dim, dtype=prefix.dtype))
+                keys.append(arena.take(rows, heads, dim, max_new_tokens, dtype=prefix.dtype))
+            else:
+                values.append(prefix.new_zeros(rows, heads, max_new_tokens, dim))
+                keys.append(prefix.new_zeros(rows, heads, dim, max_new_tokens))
         return _DecodeCache(prefix_keys, prefix_values, keys, values, group_size)
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
