@@ -1,6 +1,8 @@
 """fp32 work on the CPU that torch runs as many small ops: C kernels for the decode step (its
 projections, attention, rotary embedding + cache write, residual adds + norms, SwiGLU, and the
-top-k sampler) and for the training pass's norms, SwiGLU and rotary embedding (`training_ops`).
+top-k sampler) and for the training pass's norms, SwiGLU and rotary embedding (`training_ops`);
+on AVX-512 CPUs also the training pass's weight gradients (`grad_weight`, no transposed copies)
+and its attention products over each row's own tokens (`own_scores` and the two below it, causal).
 
 A decode step multiplies 8-32 rows per agent by every weight of the model, and each weight is
 reused for every step of a sampling call. MKL's sgemm, which `torch.bmm` runs on the CPU, does
