@@ -271,11 +271,19 @@ def _attention_inputs(prompts, width, k, steps, heads, kv_heads, head_dim, paddi
     dict(prompts=2, width=5, k=3, steps=1, heads=4, kv_heads=4, head_dim=8, padding=[0, 1]),  # MHA, one step
     dict(prompts=2, width=5, k=2, steps=0, heads=4, kv_heads=1, head_dim=8, padding=[1, 0]),  # prompts only
 ])
-def test_fused_attention_computes_the_composed_attention_and_its_gradients(layout, monkeypatch):
+@pytest.mark.parametrize("causal_kernels", [True, False], ids=["own-token-kernels", "bmm"])
+def test_fused_attention_computes_the_composed_attention_and_its_gradients(layout, causal_kernels, monkeypatch):
     """In fp32 with the C kernels, the training forward's attention is one autograd node whose
     softmax and masks are C passes (`shared_prefix_attention`); its output and the gradients of the
-    queries, keys and values agree with the torch composition it replaces to float rounding."""
+    queries, keys and values agree with the torch composition it replaces to float rounding, with
+    the products over each row's own tokens as causal C kernels (AVX-512) or as torch.bmm."""
     from comlrl.models import lean
+
+    if causal_kernels and not decode_kernels.AVX512_PANELS:
+        pytest.skip("the causal own-token kernels run on AVX-512 CPUs")
+    monkeypatch.setattr(decode_kernels, "AVX512_PANELS", causal_kernels)
+    own_calls, own_scores = [], decode_kernels.own_scores
+    monkeypatch.setattr(decode_kernels, "own_scores", lambda *a: own_calls.append(1) or own_scores(*a))
 
     qkv, shape, prompt_bias, prefix_bias, completion_bias = _attention_inputs(**layout, seed=11)
     heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
@@ -296,6 +304,7 @@ def test_fused_attention_computes_the_composed_attention_and_its_gradients(layou
         out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
         results.append((out.detach(), leaf.grad))
     assert calls, "the fused attention's backward did not run the C softmax kernel"
+    assert bool(own_calls) == (causal_kernels and shape.steps > 0)
     (fused_out, fused_grad), (composed_out, composed_grad) = results
     assert fused_out.shape == (qkv.shape[0], heads * head_dim)
     torch.testing.assert_close(fused_out, composed_out, rtol=1e-5, atol=1e-5)

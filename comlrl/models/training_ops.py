@@ -442,26 +442,30 @@ def _unblock(prompt: torch.Tensor, completion: torch.Tensor, shape: AttentionSha
     out_completion.view(g, k, s, kv, n, d).copy_(completion.view(g, kv, k, n, s, d).permute(0, 2, 4, 1, 3, 5))
 
 
-def _own_kernels(x: torch.Tensor) -> bool:
-    """Whether the products over the rows' own tokens run as `decode_kernels`' causal ones (AVX-512
-    CPUs; a completion of at least one step) rather than `torch.bmm` over every column."""
-    return decode_kernels.AVX512_PANELS and x.shape[-2] > 0 and x.shape[0] > 0
+def _own_kernels(blocks: int, period: int) -> bool:
+    """Whether the products over the rows' own tokens (`blocks` blocks of `period` keys) run as
+    `decode_kernels`' causal ones (AVX-512 CPUs, at least one block and one step) rather than
+    `torch.bmm` over every column."""
+    return decode_kernels.AVX512_PANELS and blocks > 0 and period > 0
 
 
 def _own_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    if _own_kernels(keys):
+    """queries (blocks, heads * period, D) . keys (blocks, period, D)^T, the causal part at least."""
+    if _own_kernels(keys.shape[0], keys.shape[1]):
         return decode_kernels.own_scores(queries, keys)
     return torch.bmm(queries, keys.transpose(1, 2))
 
 
 def _own_weighted(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    if _own_kernels(values):
+    """weights (blocks, heads * period, period), 0 past each row's position, . values (blocks, period, D)."""
+    if _own_kernels(values.shape[0], values.shape[1]):
         return decode_kernels.own_weighted(weights, values)
     return torch.bmm(weights, values)
 
 
 def _own_transposed(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    if _own_kernels(weights.transpose(1, 2)):
+    """weights^T (blocks, period, heads * period) . x (blocks, heads * period, D), weights as above."""
+    if _own_kernels(weights.shape[0], weights.shape[2]):
         return decode_kernels.own_transposed(weights, x)
     return torch.bmm(weights.transpose(1, 2), x)
 
