@@ -906,6 +906,14 @@ static AVX512 void own_scores_##NJ(int64_t dim, const float *const a[OWN_ROWS], 
 }
 OWN_SCORES_KERNEL(1) OWN_SCORES_KERNEL(2) OWN_SCORES_KERNEL(3) OWN_SCORES_KERNEL(4)
 
+/* masks[b]: the lanes of 16-wide block b of the 64 columns from d0 that lie below n. */
+static AVX512 void own_chunk_masks(int64_t n, int64_t d0, __mmask16 masks[4]) {
+    for (int d = 0; d < 4; d++) {
+        const int64_t left = n - d0 - d * 16;
+        masks[d] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+    }
+}
+
 /* scores (blocks, rows, period) = q (blocks, rows, dim) . keys (blocks, period, dim)^T at the columns
  * a row sees, in whole 16-column blocks (the columns past its position within its last block get
  * values the softmax does not read; those past that block are not written). Returns -1 (nothing
@@ -933,10 +941,7 @@ int comlrl_own_scores(int64_t blocks, int64_t rows, int64_t period, int64_t dim,
                 const int nj = needed - jb < 4 ? (int)(needed - jb) : 4;
                 __mmask16 masks[4];
                 float *cj[OWN_ROWS];
-                for (int j = 0; j < 4; j++) {
-                    const int64_t left = period - (jb + j) * 16;
-                    masks[j] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
-                }
+                own_chunk_masks(period, jb * 16, masks);
                 for (int r = 0; r < OWN_ROWS; r++) cj[r] = c[r] + jb * 16;
                 switch (nj) {
                     case 1: own_scores_1(dim, a, kt + jb * 16, ldk, cj, count, masks); break;
@@ -970,13 +975,6 @@ static AVX512 void own_weighted_##ND(int64_t keys, const float *const p[OWN_ROWS
         if (r < rows) for (int d = 0; d < ND; d++) _mm512_mask_storeu_ps(c[r] + d * 16, masks[d], acc[r][d]); \
 }
 OWN_WEIGHTED_KERNEL(1) OWN_WEIGHTED_KERNEL(2) OWN_WEIGHTED_KERNEL(3) OWN_WEIGHTED_KERNEL(4)
-
-static AVX512 void own_chunk_masks(int64_t dim, int64_t d0, __mmask16 masks[4]) {
-    for (int d = 0; d < 4; d++) {
-        const int64_t left = dim - d0 - d * 16;
-        masks[d] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
-    }
-}
 
 /* out (blocks, rows, dim) = p (blocks, rows, period) . values (blocks, period, dim): each row's sum over
  * the keys it sees (p is 0 past them), the probabilities times the values or the score gradients

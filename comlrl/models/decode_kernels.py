@@ -51,6 +51,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -457,9 +458,7 @@ _OWN_PADDING = 3
 
 def _padded_empty(*shape: int) -> torch.Tensor:
     """An fp32 tensor of `shape` whose storage runs `_OWN_PADDING` floats past its end."""
-    count = 1
-    for n in shape:
-        count *= n
+    count = math.prod(shape)
     return torch.empty(count + _OWN_PADDING, dtype=torch.float32)[:count].view(shape)
 
 

@@ -24,6 +24,7 @@ step.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -184,20 +185,17 @@ class StackedLeanDecoder:
         """The decode cache around the prompts' keys and values: room for every row's generated tokens.
         It starts zeroed: a fixed-shape step (see `step`) reads every column, and a column not yet
         written must give a finite score for its -inf bias to zero it."""
-        keys, values = [], []
-        arena = None
-        if prefix_values[0].device.type == "cpu":  # one zeroed mapping on huge pages (`pages`), freed with the cache
-            arena = pages.Arena(sum(2 * p.shape[0] * group_size * p.shape[1] * max_new_tokens * p.shape[3]
-                                    * p.element_size() + 2 * pages.ALIGN for p in prefix_values))
-        for prefix in prefix_values:
-            prompts, heads, _, dim = prefix.shape
-            rows = prompts * group_size  # prompts of every agent
-            if arena is not None:
-                values.append(arena.take(rows, heads, max_new_tokens, dim, dtype=prefix.dtype))
-                keys.append(arena.take(rows, heads, dim, max_new_tokens, dtype=prefix.dtype))
-            else:
-                values.append(prefix.new_zeros(rows, heads, max_new_tokens, dim))
-                keys.append(prefix.new_zeros(rows, heads, dim, max_new_tokens))
+        prefix = prefix_values[0]
+        prompts, heads, _, dim = prefix.shape
+        rows = prompts * group_size  # prompts of every agent
+        value_shape, key_shape = (rows, heads, max_new_tokens, dim), (rows, heads, dim, max_new_tokens)
+        zeros = prefix.new_zeros
+        if prefix.device.type == "cpu":  # one zeroed mapping on huge pages (`pages`), freed with the cache
+            layer_bytes = 2 * (math.prod(value_shape) * prefix.element_size() + pages.ALIGN)
+            arena = pages.Arena(len(prefix_values) * layer_bytes)
+            zeros = functools.partial(arena.take, dtype=prefix.dtype)
+        values = [zeros(*value_shape) for _ in prefix_values]
+        keys = [zeros(*key_shape) for _ in prefix_values]
         return _DecodeCache(prefix_keys, prefix_values, keys, values, group_size)
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
