@@ -280,3 +280,70 @@ def make_trainer(tiny_model_dir):
                              train_dataset=story_prompts(), args=MAGRPOConfig(**settings), metrics_path=metrics_path,
                              external_transition=external_transition)
     return build
+
+
+def _stacked_decode(models, prompt_ids, prompt_mask, completions, k, whole_step: bool):
+    """(each step's logits, the decode cache, the record) of a teacher-forced stacked decode with
+    every projection recorded, the step run as one C call or as the per-kernel calls."""
+    with torch.no_grad():
+        decoder = StackedLeanDecoder([lean_decoder_for(m) for m in models])
+        assert decoder.whole_step_kernel
+        decoder.whole_step_kernel = whole_step
+        count, (prompts, width), steps = len(models), prompt_ids.shape, completions.shape[1]
+        record = _StackedRecord(decoder, prompts * width, prompts * k, steps, projections=lean.PROJECTIONS)
+        _, cache = decoder.prefill(prompt_ids.repeat(count, 1), prompt_mask.repeat(count, 1), k, steps, record)
+        rows_mask = torch.cat([prompt_mask.repeat_interleave(k, dim=0), torch.ones(prompts * k, steps, dtype=torch.long)], 1)
+        bias = decoder.attention_bias(rows_mask.repeat(count, 1))
+        last = (prompt_mask.cumsum(1) - 1).clamp(min=0)[:, -1:].repeat_interleave(k, dim=0).repeat(count, 1)
+        rotations = decoder.rotary_table(last + torch.arange(1, steps + 1)).transpose(0, 1).contiguous()
+        logits = [decoder.step(completions[:, t].repeat(count), rotations[t], cache, t, bias, record)
+                  for t in range(steps)]
+    return logits, cache, record
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_the_whole_step_kernel_decodes_what_the_per_kernel_step_decodes_bit_for_bit(name, monkeypatch):
+    """Two agents stacked, left-padded prompts, K=3: one C call per step gives the per-kernel
+    step's logits, cache and recorded projections, bit for bit, and builds its plan once."""
+    models = [ARCHITECTURES[name]() for _ in range(2)]
+    _perturbed(models[1], 1)
+    k, steps = 3, 6
+    torch.manual_seed(2)
+    prompt_ids = torch.randint(6, 97, (2, 7))
+    prompt_mask = torch.ones(2, 7, dtype=torch.long)
+    prompt_mask[1, :3] = 0
+    completions = torch.randint(0, 97, (2 * k, steps))
+    plans = []
+    original = decode_kernels.DecodeStepPlan.__init__
+    monkeypatch.setattr(decode_kernels.DecodeStepPlan, "__init__",
+                        lambda self, **kw: plans.append(1) or original(self, **kw))
+    whole = _stacked_decode(models, prompt_ids, prompt_mask, completions, k, whole_step=True)
+    assert plans == [1]
+    per_kernel = _stacked_decode(models, prompt_ids, prompt_mask, completions, k, whole_step=False)
+    assert plans == [1]
+    for a, b in zip(whole[0], per_kernel[0]):
+        assert torch.equal(a, b)
+    for name_ in ("keys", "values"):
+        for a, b in zip(getattr(whole[1], name_), getattr(per_kernel[1], name_)):
+            assert torch.equal(a, b)
+    for layer_a, layer_b in zip(whole[2].steps, per_kernel[2].steps):
+        for a, b in zip(layer_a, layer_b):
+            assert torch.equal(a, b)
+    # The logits are those of real rows: not all equal, and different between the agents.
+    assert not torch.equal(whole[0][0][:2 * k], whole[0][0][2 * k:])
+
+
+def test_the_whole_step_kernel_refuses_a_token_outside_the_vocabulary():
+    model = ARCHITECTURES["qwen2-gqa"]()
+    with torch.no_grad():
+        decoder = StackedLeanDecoder([lean_decoder_for(model)])
+        prompt_ids, prompt_mask = torch.randint(6, 97, (1, 4)), torch.ones(1, 4, dtype=torch.long)
+        _, cache = decoder.prefill(prompt_ids, prompt_mask, 2, 3)
+        bias = decoder.attention_bias(torch.ones(2, 7, dtype=torch.long))
+        rotations = decoder.rotary_table(torch.arange(4, 7).repeat(2, 1)).transpose(0, 1).contiguous()
+        keys_before = [k.clone() for k in cache.keys]
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            decoder.step(torch.tensor([3, 97]), rotations[0], cache, 0, bias)
+        assert all(torch.equal(a, b) for a, b in zip(keys_before, cache.keys))  # nothing written
+        with pytest.raises(ValueError, match="step below"):
+            decoder.step(torch.tensor([3, 4]), rotations[0], cache, 3, bias)

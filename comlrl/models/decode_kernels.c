@@ -206,6 +206,16 @@ PANEL_DRIVER(panel_gemm16, AVX512, NR16, ROW_BLOCKS(16, rows16x16, rows8x16, row
  * Width NR runs the 8-wide AVX2 kernels; width NR16 the AVX-512 ones when `avx512` is set (the
  * caller has checked the CPU runs them), else the 16-wide AVX2 ones. Returns 0, or -1 (c
  * untouched) when the transposed copy of x cannot be allocated. */
+static void panel_product(int64_t batch, int64_t m, int64_t n, int64_t k,
+                          const float *x, int64_t x_batch_stride, int64_t ldx,
+                          const float *packed, int64_t packed_batch_stride,
+                          const float *bias, int64_t bias_batch_stride,
+                          float *c, int64_t c_batch_stride, int64_t ldc, int64_t width, int64_t avx512, float *xt) {
+    (width == NR ? panel_gemm8 : avx512 ? panel_gemm16 : panel_gemm8w16)(
+        batch, m, n, k, x, x_batch_stride, ldx, packed, packed_batch_stride, bias, bias_batch_stride, c,
+        c_batch_stride, ldc, xt);
+}
+
 int comlrl_panel_gemm(int64_t batch, int64_t m, int64_t n, int64_t k,
                        const float *x, int64_t x_batch_stride, int64_t ldx,
                        const float *packed, int64_t packed_batch_stride,
@@ -214,9 +224,8 @@ int comlrl_panel_gemm(int64_t batch, int64_t m, int64_t n, int64_t k,
     size_t bytes = ((size_t)(m * k) * sizeof(float) + 63) / 64 * 64;  /* aligned_alloc wants a multiple */
     float *xt = aligned_alloc(64, bytes ? bytes : 64);
     if (!xt) return -1;
-    (width == NR ? panel_gemm8 : avx512 ? panel_gemm16 : panel_gemm8w16)(
-        batch, m, n, k, x, x_batch_stride, ldx, packed, packed_batch_stride, bias, bias_batch_stride, c,
-        c_batch_stride, ldc, xt);
+    panel_product(batch, m, n, k, x, x_batch_stride, ldx, packed, packed_batch_stride, bias, bias_batch_stride, c,
+                  c_batch_stride, ldc, width, avx512, xt);
     free(xt);
     return 0;
 }
@@ -1057,4 +1066,118 @@ void comlrl_own_transposed(int64_t blocks, int64_t rows, int64_t period, int64_t
             }
         }
     }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * A whole decode step in one call (lean.StackedLeanDecoder.step where every kernel above runs):
+ * the embedding rows, each layer's projections, rotary embedding + cache write, attention, residual
+ * adds + norms and SwiGLU, and the LM head, in the order and with the functions the step's Python
+ * path calls one by one, so the logits, the cache and the recorded projections are the same bit
+ * for bit. The ~40 calls of a step cost 5-15 us each in Python around ~60-100 us of arithmetic per
+ * layer; the plan below is built once per sampling call.
+ * ------------------------------------------------------------------------------------------------ */
+
+/* One projection of every agent: packed panels (agent a at packed + a * packed_stride), bias
+ * padded to whole panels (NULL: none), panel width and family; `record`, when not NULL, is step
+ * 0's (agents, rows, n) slice of a ProjectionRecord's steps, each step `agents * rows * n` floats on. */
+typedef struct {
+    const float *packed;
+    int64_t packed_stride;
+    const float *bias;
+    int64_t bias_stride;
+    int64_t width, avx512;
+    float *record;
+} StepProjection;
+
+typedef struct {
+    StepProjection qkv, o, gate_up, down;
+    const float *prefix_keys, *prefix_values;  /* (prompts, kv, dim, width), (prompts, kv, width, dim) */
+    float *keys, *values;                      /* (total rows, kv, dim, max_new), (total rows, kv, max_new, dim) */
+    float eps, next_eps;                       /* the norms after the attention and after the MLP */
+} StepLayer;
+
+typedef struct {
+    int64_t agents, rows, layers, hidden, heads, kv_heads, dim, intermediate, vocab, group_size, width, max_new;
+    const float *embed;            /* (agents * vocab, hidden): agent a's token t at row a * vocab + t */
+    StepProjection head;           /* the LM head (hidden -> vocab) */
+    const float *attention_bias;   /* (total rows, >= width + max_new), additive */
+    int64_t bias_stride;
+    float scale, first_eps;
+    float *work;                   /* comlrl_decode_step_work_floats(...) floats, 64-byte aligned */
+    const StepLayer *layer;
+} StepPlan;
+
+static int64_t rounded16(int64_t floats) { return (floats + 15) / 16 * 16; }
+
+/* The floats of a plan's work buffer: the hidden state, the normed input, each layer output, the
+ * attention's scratch and the products' transposed inputs, each rounded to 64 bytes. */
+int64_t comlrl_decode_step_work_floats(int64_t agents, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
+                                       int64_t dim, int64_t intermediate, int64_t width, int64_t max_new) {
+    int64_t total = agents * rows, widest = hidden > heads * dim ? hidden : heads * dim;
+    if (intermediate > widest) widest = intermediate;
+    return 4 * rounded16(total * hidden) + rounded16(total * (heads + 2 * kv_heads) * dim) +
+           rounded16(total * heads * dim) + rounded16(total * 2 * intermediate) + rounded16(total * intermediate) +
+           rounded16(2 * (width + max_new)) + rounded16(rows * widest);
+}
+
+static float *step_output(const StepProjection *p, int64_t step, int64_t per_step, float *work) {
+    return p->record ? p->record + step * per_step : work;
+}
+
+/* tokens: (agents * rows) ids, agent-major; rotation: (agents * rows, dim / 2) (cos, sin) pairs;
+ * writes the step's keys and values at column `step` of each layer's cache and the logits
+ * (agents * rows, vocab). Returns 0, or -1 (nothing written) for a token id outside the vocabulary. */
+int comlrl_decode_step(const StepPlan *plan, const int64_t *tokens, const float *rotation, int64_t step,
+                       float *logits) {
+    const int64_t agents = plan->agents, rows = plan->rows, total = agents * rows, hidden = plan->hidden;
+    const int64_t heads = plan->heads, kv_heads = plan->kv_heads, dim = plan->dim, inter = plan->intermediate;
+    const int64_t qkv_n = (heads + 2 * kv_heads) * dim, q_n = heads * dim;
+    for (int64_t r = 0; r < total; r++)
+        if (tokens[r] < 0 || tokens[r] >= plan->vocab) return -1;
+    float *w = plan->work;
+    float *state = w;                                   w += rounded16(total * hidden);
+    float *x = w;                                       w += rounded16(total * hidden);
+    float *o_out = w;                                   w += rounded16(total * hidden);
+    float *down_out = w;                                w += rounded16(total * hidden);
+    float *qkv_work = w;                                w += rounded16(total * qkv_n);
+    float *attended = w;                                w += rounded16(total * q_n);
+    float *gate_up_work = w;                            w += rounded16(total * 2 * inter);
+    float *act = w;                                     w += rounded16(total * inter);
+    float *scratch = w;                                 w += rounded16(2 * (plan->width + plan->max_new));
+    float *xt = w;
+    for (int64_t r = 0; r < total; r++)
+        memcpy(state + r * hidden, plan->embed + ((r / rows) * plan->vocab + tokens[r]) * hidden, hidden * sizeof(float));
+    comlrl_residual_rms_norm(total, hidden, state, NULL, plan->first_eps, x);
+    for (int64_t i = 0; i < plan->layers; i++) {
+        const StepLayer *L = plan->layer + i;
+        const StepProjection *p;
+        float *qkv = step_output(&L->qkv, step, total * qkv_n, qkv_work);
+        p = &L->qkv;
+        panel_product(agents, rows, qkv_n, hidden, x, rows * hidden, hidden, p->packed, p->packed_stride, p->bias,
+                      p->bias_stride, qkv, rows * qkv_n, qkv_n, p->width, p->avx512, xt);
+        comlrl_rotate_into_cache(total, heads, kv_heads, dim, qkv, qkv_n, rotation, L->keys, L->values,
+                                 plan->max_new, step);
+        comlrl_decode_attention(total, kv_heads, heads / kv_heads, dim, plan->group_size, qkv, qkv_n,
+                                L->prefix_keys, L->prefix_values, plan->width, L->keys, L->values, plan->max_new,
+                                step + 1, plan->attention_bias, plan->bias_stride, plan->scale, attended, scratch);
+        float *o = step_output(&L->o, step, total * hidden, o_out);
+        p = &L->o;
+        panel_product(agents, rows, hidden, q_n, attended, rows * q_n, q_n, p->packed, p->packed_stride, p->bias,
+                      p->bias_stride, o, rows * hidden, hidden, p->width, p->avx512, xt);
+        comlrl_residual_rms_norm(total, hidden, state, o, L->eps, x);
+        float *gate_up = step_output(&L->gate_up, step, total * 2 * inter, gate_up_work);
+        p = &L->gate_up;
+        panel_product(agents, rows, 2 * inter, hidden, x, rows * hidden, hidden, p->packed, p->packed_stride,
+                      p->bias, p->bias_stride, gate_up, rows * 2 * inter, 2 * inter, p->width, p->avx512, xt);
+        comlrl_silu_mul(total, inter, gate_up, act);
+        float *down = step_output(&L->down, step, total * hidden, down_out);
+        p = &L->down;
+        panel_product(agents, rows, hidden, inter, act, rows * inter, inter, p->packed, p->packed_stride, p->bias,
+                      p->bias_stride, down, rows * hidden, hidden, p->width, p->avx512, xt);
+        comlrl_residual_rms_norm(total, hidden, state, down, L->next_eps, x);
+    }
+    const StepProjection *h = &plan->head;
+    panel_product(agents, rows, plan->vocab, hidden, x, rows * hidden, hidden, h->packed, h->packed_stride, h->bias,
+                  h->bias_stride, logits, rows * plan->vocab, plan->vocab, h->width, h->avx512, xt);
+    return 0;
 }

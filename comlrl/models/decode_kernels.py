@@ -175,6 +175,10 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_attention_softmax_backward.restype = None
     lib.comlrl_grad_weight.argtypes = [i64, i64, i64, pointer, i64, pointer, i64, pointer, i64]
     lib.comlrl_grad_weight.restype = ctypes.c_int
+    lib.comlrl_decode_step_work_floats.argtypes = [i64] * 9
+    lib.comlrl_decode_step_work_floats.restype = i64
+    lib.comlrl_decode_step.argtypes = [ctypes.POINTER(_StepPlan), pointer, pointer, i64, pointer]
+    lib.comlrl_decode_step.restype = ctypes.c_int
     for name in ("comlrl_own_scores", "comlrl_own_weighted", "comlrl_own_transposed"):
         getattr(lib, name).argtypes = [i64, i64, i64, i64, pointer, pointer, pointer]
     lib.comlrl_own_scores.restype = ctypes.c_int
@@ -569,6 +573,91 @@ class PanelWeights:
                       out.data_ptr(), rows * n, n, self.width, int(self.avx512)):
             raise MemoryError(f"decode_kernels: no memory for a {rows} x {width} copy of the projection's input")
         return out
+
+
+class _StepProjection(ctypes.Structure):
+    _fields_ = [("packed", ctypes.c_void_p), ("packed_stride", ctypes.c_int64), ("bias", ctypes.c_void_p),
+                ("bias_stride", ctypes.c_int64), ("width", ctypes.c_int64), ("avx512", ctypes.c_int64),
+                ("record", ctypes.c_void_p)]
+
+
+class _StepLayer(ctypes.Structure):
+    _fields_ = [("qkv", _StepProjection), ("o", _StepProjection), ("gate_up", _StepProjection),
+                ("down", _StepProjection), ("prefix_keys", ctypes.c_void_p), ("prefix_values", ctypes.c_void_p),
+                ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("next_eps", ctypes.c_float)]
+
+
+class _StepPlan(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("agents", "rows", "layers", "hidden", "heads", "kv_heads", "dim",
+                                                     "intermediate", "vocab", "group_size", "width", "max_new")] + [
+        ("embed", ctypes.c_void_p), ("head", _StepProjection), ("attention_bias", ctypes.c_void_p),
+        ("bias_stride", ctypes.c_int64), ("scale", ctypes.c_float), ("first_eps", ctypes.c_float),
+        ("work", ctypes.c_void_p), ("layer", ctypes.POINTER(_StepLayer))]
+
+
+def _step_projection(panels: PanelWeights, record: Optional[torch.Tensor]) -> _StepProjection:
+    return _StepProjection(panels.packed.data_ptr(), panels._agent_floats,
+                           None if panels.bias is None else panels.bias.data_ptr(),
+                           0 if panels.bias is None else panels.bias.stride(0), panels.width, int(panels.avx512),
+                           None if record is None else record.data_ptr())
+
+
+class DecodeStepPlan:
+    """Everything a whole decode step reads and writes, as addresses for one C call per step
+    (`comlrl_decode_step`; see `lean.StackedLeanDecoder.step`, whose per-kernel calls it makes in the
+    same order, so every result is the same bit for bit). Built once per sampling call; it holds the
+    tensors it points into, so they live as long as it does.
+
+    `layers`: per layer, its (qkv, o, gate_up, down) `PanelWeights`, prompt keys and values, cache
+    keys and values, the norms' eps after the attention and after the MLP, and its recorded
+    (max_new, agents, rows, n) step outputs per projection (None: not recorded)."""
+
+    def __init__(self, *, agents: int, rows: int, heads: int, kv_heads: int, head_dim: int, group_size: int,
+                 embed: torch.Tensor, head: PanelWeights, attention_bias: torch.Tensor, first_eps: float,
+                 layers: List[tuple]):
+        prefix_keys = layers[0][1]
+        keys = layers[0][3]
+        width, max_new = prefix_keys.shape[-1], keys.shape[-1]
+        hidden, intermediate = embed.shape[1], layers[0][0][2].out_features // 2
+        tensors = [embed, attention_bias]
+        for projections, *cache, _, _, records in layers:
+            tensors += cache + [r for r in records if r is not None]
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+            raise ValueError("DecodeStepPlan needs contiguous fp32 embeddings, caches, bias and records")
+        if attention_bias.numel() != agents * rows * attention_bias.shape[-1] or attention_bias.shape[-1] < width + max_new:
+            raise ValueError("DecodeStepPlan: the attention bias must be (rows, 1, 1, >= prompt width + max_new)")
+        lib = library()
+        self._held = tensors + [p.packed for ps, *_ in layers for p in ps] + [head.packed]
+        self.work = _aligned_empty(lib.comlrl_decode_step_work_floats(
+            agents, rows, hidden, heads, kv_heads, head_dim, intermediate, width, max_new))
+        self._layers = (_StepLayer * len(layers))(*[
+            _StepLayer(*[_step_projection(p, r) for p, r in zip(projections, records)],
+                       pk.data_ptr(), pv.data_ptr(), k.data_ptr(), v.data_ptr(), eps, next_eps)
+            for projections, pk, pv, k, v, eps, next_eps, records in layers])
+        self.vocab = head.out_features
+        self.total = agents * rows
+        self.max_new = max_new
+        self._plan = _StepPlan(agents, rows, len(layers), hidden, heads, kv_heads, head_dim, intermediate,
+                               self.vocab, group_size, width, max_new, embed.data_ptr(), _step_projection(head, None),
+                               attention_bias.data_ptr(), attention_bias.shape[-1], head_dim ** -0.5, first_eps,
+                               self.work.data_ptr(), self._layers)
+        self._plan_pointer = ctypes.byref(self._plan)
+        self._step = lib.comlrl_decode_step
+
+    def __call__(self, tokens: torch.Tensor, rotation: torch.Tensor, step: int) -> torch.Tensor:
+        """Logits (agents * rows, vocab) for `tokens` (agents * rows,) int64 at decode step `step`
+        (`rotation`: its (rows, 1, head_dim / 2) complex64 slice of the rotary table)."""
+        if tokens.shape != (self.total,) or tokens.dtype != torch.int64 or not 0 <= step < self.max_new:
+            raise ValueError(f"DecodeStepPlan: want {self.total} int64 tokens and a step below {self.max_new}")
+        tokens = tokens.contiguous()
+        rotation = torch.view_as_real(rotation.contiguous())
+        if rotation.dtype != torch.float32 or rotation.numel() != self.total * self._plan.dim:
+            raise ValueError("DecodeStepPlan: want a complex64 rotation of head_dim / 2 pairs per row")
+        logits = torch.empty(self.total, self.vocab, dtype=torch.float32)
+        if self._step(self._plan_pointer, tokens.data_ptr(), rotation.data_ptr(), step, logits.data_ptr()):
+            raise ValueError(f"decode step: a token id outside the vocabulary (0..{self.vocab - 1}): {tokens.tolist()}")
+        return logits
 
 
 if __name__ == "__main__":  # `make install` builds the library ahead of the first run

@@ -178,6 +178,9 @@ class StackedLeanDecoder:
         # in-place rotation, i.e. the whole step in fp32 C kernels.
         self.can_record = self.kernel_elementwise and self.kernel_attention and all(
             p.panels is not None for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        # A whole step in one C call (`decode_kernels.DecodeStepPlan`) where every part of it runs in
+        # the kernels: the same calls in the same order, without ~40 Python calls per step around them.
+        self.whole_step_kernel = self.can_record and self.lm_head.panels is not None
         # Each layer's output goes through the next layer's input norm, the last one's the final norm.
         self._eps_after = [layer.eps for layer in self.layers[1:]] + [self.final_eps]
 
@@ -288,9 +291,11 @@ class StackedLeanDecoder:
         the layers' projections write into it (see `ProjectionRecord`)."""
         total = tokens.shape[0]
         rows = total // self.count
+        fixed_shape = torch.is_tensor(steps_done)
+        if self.whole_step_kernel and not fixed_shape:
+            return self._step_plan(cache, attention_bias, rows, record)(tokens, rotation, steps_done)
         width = cache.prefix_keys[0].shape[-1]
         hidden = F.embedding(tokens + self._offsets(total), self.embed).view(self.count, rows, -1)  # (A, rows, hidden)
-        fixed_shape = torch.is_tensor(steps_done)
         columns = cache.keys[0].shape[-1] if fixed_shape else steps_done + 1  # generated columns attended
         bias = attention_bias[..., : width + columns]
         scale = self.head_dim ** -0.5
@@ -325,6 +330,24 @@ class StackedLeanDecoder:
             x = self._add_normalize(hidden, layer.down(self._swiglu(layer.gate_up(_cast(x, low), outs[2])), outs[3]),
                                     next_eps)
         return self.lm_head(_cast(x, low)).view(total, -1)
+
+    def _step_plan(self, cache: "_DecodeCache", attention_bias: torch.Tensor, rows: int,
+                   record: Optional["_StackedRecord"]) -> decode_kernels.DecodeStepPlan:
+        """The cache's whole-step plan for these rows, bias and record, built on its first step."""
+        key = (rows, attention_bias.data_ptr(), id(record))
+        if cache.step_plan is None or cache.step_plan_key != key:
+            layers = []
+            for index, (layer, next_eps) in enumerate(zip(self.layers, self._eps_after)):
+                records = (None,) * 4 if record is None else record.steps[index]
+                layers.append(((layer.qkv.panels, layer.o.panels, layer.gate_up.panels, layer.down.panels),
+                               cache.prefix_keys[index], cache.prefix_values[index], cache.keys[index],
+                               cache.values[index], layer.eps, next_eps, records))
+            cache.step_plan = decode_kernels.DecodeStepPlan(
+                agents=self.count, rows=rows, heads=self.num_heads, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                group_size=cache.group_size, embed=self.embed, head=self.lm_head.panels,
+                attention_bias=attention_bias, first_eps=self.layers[0].eps, layers=layers)
+            cache.step_plan_key = key
+        return cache.step_plan
 
     def _add_normalize(self, hidden: torch.Tensor, delta: Optional[torch.Tensor], eps: float) -> torch.Tensor:
         """The residual add and the norm after it (prefill and step): `hidden += delta` in place (their
@@ -382,6 +405,10 @@ class _DecodeCache:
     keys: List[torch.Tensor]
     values: List[torch.Tensor]
     group_size: int
+    # `StackedLeanDecoder.step`'s whole-step plan (`decode_kernels.DecodeStepPlan`) and what it was
+    # built for (rows, bias, record), where the step runs as one C call.
+    step_plan: Optional[decode_kernels.DecodeStepPlan] = None
+    step_plan_key: Optional[tuple] = None
 
 
 #: Whether sampling records projections for the policy-gradient pass to reuse (`ProjectionRecord`);
