@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -51,6 +52,45 @@ def test_the_c_sampler_draws_what_the_torch_ops_draw(temperature, top_k, top_p, 
     monkeypatch.setattr(decode_kernels, "runs", lambda tensor: False)
     with_torch = draw_tokens(logits, uniforms, settings)
     assert (with_kernel != with_torch).sum() <= 2
+
+
+@pytest.mark.skipif(decode_kernels.library() is None, reason="the C kernels need an x86-64 CPU with AVX2 and FMA")
+def test_the_c_sampler_breaks_ties_among_the_top_k_by_the_lower_token_id():
+    """Integer logits (most of the top k tied): the C sampler draws what a plain Python
+    reading of its rule draws (the k best by logit, ties to the lower token id, then top-p and the
+    inverse CDF over them, in float32 like the kernel): at most 2 rows of 600 may differ, where a
+    uniform falls within float rounding of a boundary."""
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randint(-4, 4, (600, 97), generator=generator).float()
+    uniforms = torch.rand(600, generator=generator)
+    top_k, temperature, top_p = 20, 0.8, 0.9
+    drawn = decode_kernels.draw_tokens(logits, uniforms, top_k, temperature, top_p)
+    f32 = np.float32
+    expected = []
+    for row, uniform in zip(logits.tolist(), uniforms.tolist()):
+        best = sorted(range(len(row)), key=lambda t: (-row[t], t))[:top_k]
+        ascending = best[::-1]
+        weights = [f32(np.exp(f32(row[t]) / f32(temperature) - f32(row[best[0]]) / f32(temperature)))
+                   for t in ascending]
+        total = f32(0)
+        for w in weights:
+            total = f32(total + w)
+        first, running = 0, f32(0)
+        while first < top_k - 1:
+            running = f32(running + weights[first])
+            if not running / total <= f32(1 - f32(top_p)):
+                break
+            first += 1
+        cdf, kept = [], f32(0)
+        for w in weights[first:]:
+            kept = f32(kept + w)
+            cdf.append(kept)
+        target = f32(f32(uniform) * kept)
+        pick = 0
+        while pick < len(cdf) - 1 and not cdf[pick] > target:
+            pick += 1
+        expected.append(ascending[first + pick])
+    assert (drawn != torch.tensor(expected)).sum() <= 2
 
 
 def test_samples_do_not_depend_on_the_batch(tiny_model_dir):

@@ -654,23 +654,57 @@ void comlrl_rms_norm_backward(int64_t rows, int64_t dim, const float *grad, cons
  * Sampling one token per row (`rollout.draw_tokens` with top-k): temperature -> top-k -> top-p ->
  * inverse-CDF draw with the row's uniform. Ties among the top k keep the lower token id first.
  */
+/* Whether candidate a ranks below candidate b: a lower logit, or the same logit and a higher token id. */
+static inline int ranks_below(float value_a, int64_t id_a, float value_b, int64_t id_b) {
+    return value_a < value_b || (value_a == value_b && id_a > id_b);
+}
+
+static inline void swap_candidates(float *values, int64_t *ids, int64_t i, int64_t j) {
+    float v = values[i]; values[i] = values[j]; values[j] = v;
+    int64_t t = ids[i]; ids[i] = ids[j]; ids[j] = t;
+}
+
+/* Restores the heap below position i (the lowest-ranked candidate at the root) over n candidates. */
+static void sift_down(float *values, int64_t *ids, int64_t n, int64_t i) {
+    for (;;) {
+        int64_t low = i, child = 2 * i + 1;
+        if (child < n && ranks_below(values[child], ids[child], values[low], ids[low])) low = child;
+        if (child + 1 < n && ranks_below(values[child + 1], ids[child + 1], values[low], ids[low])) low = child + 1;
+        if (low == i) return;
+        swap_candidates(values, ids, i, low);
+        i = low;
+    }
+}
+
 void comlrl_draw_tokens(int64_t rows, int64_t vocab, const float *logits, int64_t ld, const float *uniforms,
                         int64_t top_k, float temperature, float top_p, int64_t *out, float *values, int64_t *ids,
                         float *cdf) {
     for (int64_t r = 0; r < rows; r++) {
         const float *row = logits + r * ld;
-        int64_t n = 0;  /* values/ids hold the best n logits so far, best first */
+        /* The best top_k logits so far as a heap with the lowest-ranked at the root: a later token
+         * enters only above it (a tie with it ranks below, by its higher id), then one heap sort.
+         * Against keeping them sorted by insertion (~25 moves per entry at k = 50), one step's draw of
+         * 32 rows at k = 50 went ~65 -> ~48 us (the same tokens); the exponentials are most of the rest. */
+        int64_t n = 0;
         for (int64_t t = 0; t < vocab; t++) {
             const float v = row[t];
-            if (n == top_k && !(v > values[n - 1])) continue;
-            int64_t at = n < top_k ? n++ : n - 1;  /* the slot freed at the end, then moved up */
-            while (at > 0 && v > values[at - 1]) {
-                values[at] = values[at - 1];
-                ids[at] = ids[at - 1];
-                at--;
+            if (n < top_k) {
+                int64_t at = n++;
+                values[at] = v;
+                ids[at] = t;
+                while (at > 0 && ranks_below(values[at], ids[at], values[(at - 1) / 2], ids[(at - 1) / 2])) {
+                    swap_candidates(values, ids, at, (at - 1) / 2);
+                    at = (at - 1) / 2;
+                }
+            } else if (v > values[0]) {
+                values[0] = v;
+                ids[0] = t;
+                sift_down(values, ids, n, 0);
             }
-            values[at] = v;
-            ids[at] = t;
+        }
+        for (int64_t end = n - 1; end > 0; end--) {  /* heap sort: best first, as before */
+            swap_candidates(values, ids, 0, end);
+            sift_down(values, ids, end, 0);
         }
         /* From here on ascending, as torch.topk's output flipped: position i holds the (n-1-i)-th best. */
         const float best = values[0] / temperature;
