@@ -34,6 +34,13 @@ the FMA latency), with masked tails, same sums bit for bit: 113 -> 58 us per cal
 rows. On the Xeon, one 2-agent medium-model sampling call went 171 -> ~132 ms (K=4) and 249 ->
 ~180 ms (K=8) with all of these; the draw alone 18.5 -> 10.2 ms per K=8 call.
 
+Where all of a step's parts run here (fp32 throughout, every projection on panels), the whole step
+is one C call (`DecodeStepPlan`, `comlrl_decode_step`): the same kernels in the same order, so the
+logits, the cache and the recorded projections are bitwise those of the per-kernel calls, without
+the ~40 Python-side calls per step around them (each 5-15 us of argument checks, `data_ptr`s and
+new tensors). An L benchmark sampling call, 2 agents x 16 rows x 64 tokens, ~213 -> ~187 ms at the
+best of 16 calls; L interleaved with the per-kernel step, 6 pairs: median 10.31 -> 9.79 s.
+
 Where they run: fp32 tensors on the CPU with one torch thread (the kernels are single-threaded;
 with more threads MKL and oneDNN split the work instead), on a CPU with AVX2 and FMA, and the
 AVX-512 products where PyTorch reports AVX-512. The library is compiled once per machine with the

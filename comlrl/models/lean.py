@@ -287,7 +287,9 @@ class StackedLeanDecoder:
         matmul attention 3.0 ms, this ~2.2 ms. With an fp32 cache on the CPU the same attention runs as
         one C call per layer (`decode_kernels.attention`), in place of ~40 small torch ops; where the
         whole step is fp32 there, so do the rotary embedding with the K/V write, each residual add
-        with the norm after it, and SwiGLU. With `record` (only there, with an int `steps_done`),
+        with the norm after it, and SwiGLU; and where every projection also runs on panels
+        (`whole_step_kernel`), the whole step is one C call on a plan built at its first step
+        (`decode_kernels.DecodeStepPlan`, bitwise the per-kernel calls). With `record` (only there, with an int `steps_done`),
         the layers' projections write into it (see `ProjectionRecord`)."""
         total = tokens.shape[0]
         rows = total // self.count
