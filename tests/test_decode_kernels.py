@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from comlrl import rollout
-from comlrl.models import onednn, decode_kernels
+from comlrl.models import onednn, decode_kernels, lean
 from comlrl.rollout import SamplingSettings
 from comlrl.models import load_causal_lm, load_tokenizer
 
@@ -367,8 +367,24 @@ def test_decode_kernels_and_torch_ops_decode_the_same_tokens(tiny_medium_model_d
     monkeypatch.setattr(decode_kernels, "attention", lambda *a, **k: attended.append(1) or original_attention(*a, **k))
     normalized, original_norm = [], decode_kernels.residual_rms_norm
     monkeypatch.setattr(decode_kernels, "residual_rms_norm", lambda *a: normalized.append(1) or original_norm(*a))
+    stepped, original_step = [], decode_kernels.DecodeStepPlan.__call__
+    monkeypatch.setattr(decode_kernels.DecodeStepPlan, "__call__", lambda *a: stepped.append(1) or original_step(*a))
     with_kernels = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [None] * 2)
-    assert built and attended and normalized, "the decode steps did not use the kernels"
+    assert built and stepped and normalized, "the decode steps did not use the kernels"
+    assert not attended  # the whole step is one C call
+    # The same kernels called one by one from the step: the same tokens, bit for bit.
+    original_init = lean.StackedLeanDecoder.__init__
+
+    def per_kernel_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.whole_step_kernel = False
+
+    monkeypatch.setattr(lean.StackedLeanDecoder, "__init__", per_kernel_init)
+    stepped.clear()
+    per_kernel = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [None] * 2)
+    assert attended and not stepped
+    for a, b in zip(with_kernels, per_kernel):
+        assert torch.equal(a.completion_ids, b.completion_ids)
     monkeypatch.setattr(decode_kernels, "runs", lambda tensor: False)
     with_torch = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [None] * 2)
     for a, b in zip(with_kernels, with_torch):
