@@ -4,6 +4,7 @@ gets the log-probs and gradients it would have computed, only while the paramete
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import pytest
 import torch
@@ -33,23 +34,20 @@ def _perturbed(model, seed: int):
     return model
 
 
+def _two_agents(name: str):
+    """Two models of one architecture with different weights."""
+    models = [ARCHITECTURES[name]() for _ in range(2)]
+    _perturbed(models[1], 1)
+    return models
+
+
 def _teacher_forced_records(models, prompt_ids, prompt_mask, completions, k):
     """Each model's ProjectionRecord of a decode that feeds `completions` (rows, T) after the
     prompts, as `rollout._decode` runs it (all models stacked, one step per token), recording every
     projection (the trainer records `lean.RECORDED_PROJECTIONS`), so that each replay is tested."""
-    with torch.no_grad():
-        decoder = StackedLeanDecoder([lean_decoder_for(m) for m in models])
-        assert decoder.can_record
-        count, (prompts, width), steps = len(models), prompt_ids.shape, completions.shape[1]
-        record = _StackedRecord(decoder, prompts * width, prompts * k, steps, projections=lean.PROJECTIONS)
-        _, cache = decoder.prefill(prompt_ids.repeat(count, 1), prompt_mask.repeat(count, 1), k, steps, record)
-        rows_mask = torch.cat([prompt_mask.repeat_interleave(k, dim=0), torch.ones(prompts * k, steps, dtype=torch.long)], 1)
-        bias = decoder.attention_bias(rows_mask.repeat(count, 1))
-        last = (prompt_mask.cumsum(1) - 1).clamp(min=0)[:, -1:].repeat_interleave(k, dim=0).repeat(count, 1)
-        rotations = decoder.rotary_table(last + torch.arange(1, steps + 1)).transpose(0, 1).contiguous()
-        for t in range(steps - 1):  # the last token is only predicted
-            decoder.step(completions[:, t].repeat(count), rotations[t], cache, t, bias, record)
-    return record.split(prompts, k)
+    _, _, record = _stacked_decode(models, prompt_ids, prompt_mask, completions, k,
+                                   steps_run=completions.shape[1] - 1)  # the last token is only predicted
+    return record.split(prompt_ids.shape[0], k)
 
 
 def _logprobs_and_grads(model, prompt_ids, prompt_mask, completions, mask, k, replayed=None):
@@ -65,8 +63,7 @@ def test_replayed_projections_give_the_recomputed_log_probs_and_gradients(name):
     for any subset of prompts and any crop of their padding columns (as the trainer's chunks take
     them), the forward on recorded projections matches the recomputed one in log-probs and in
     every parameter's gradient, to float rounding; a record of other parameters does not."""
-    models = [ARCHITECTURES[name]() for _ in range(2)]
-    _perturbed(models[1], 1)
+    models = _two_agents(name)
     k, steps = 3, 9
     torch.manual_seed(2)
     prompt_ids = torch.randint(6, 97, (3, 8))
@@ -282,12 +279,14 @@ def make_trainer(tiny_model_dir):
     return build
 
 
-def _stacked_decode(models, prompt_ids, prompt_mask, completions, k, whole_step: bool):
-    """(each step's logits, the decode cache, the record) of a teacher-forced stacked decode with
-    every projection recorded, the step run as one C call or as the per-kernel calls."""
+def _stacked_decode(models, prompt_ids, prompt_mask, completions, k, whole_step: bool = True,
+                    steps_run: Optional[int] = None):
+    """(each step's logits, the decode cache, the record) of a teacher-forced stacked decode of
+    the first `steps_run` (default all) tokens of `completions` with every projection recorded, the
+    step run as one C call or as the per-kernel calls."""
     with torch.no_grad():
         decoder = StackedLeanDecoder([lean_decoder_for(m) for m in models])
-        assert decoder.whole_step_kernel
+        assert decoder.can_record and decoder.whole_step_kernel
         decoder.whole_step_kernel = whole_step
         count, (prompts, width), steps = len(models), prompt_ids.shape, completions.shape[1]
         record = _StackedRecord(decoder, prompts * width, prompts * k, steps, projections=lean.PROJECTIONS)
@@ -297,7 +296,7 @@ def _stacked_decode(models, prompt_ids, prompt_mask, completions, k, whole_step:
         last = (prompt_mask.cumsum(1) - 1).clamp(min=0)[:, -1:].repeat_interleave(k, dim=0).repeat(count, 1)
         rotations = decoder.rotary_table(last + torch.arange(1, steps + 1)).transpose(0, 1).contiguous()
         logits = [decoder.step(completions[:, t].repeat(count), rotations[t], cache, t, bias, record)
-                  for t in range(steps)]
+                  for t in range(steps if steps_run is None else steps_run)]
     return logits, cache, record
 
 
@@ -305,8 +304,7 @@ def _stacked_decode(models, prompt_ids, prompt_mask, completions, k, whole_step:
 def test_the_whole_step_kernel_decodes_what_the_per_kernel_step_decodes_bit_for_bit(name, monkeypatch):
     """Two agents stacked, left-padded prompts, K=3: one C call per step gives the per-kernel
     step's logits, cache and recorded projections, bit for bit, and builds its plan once."""
-    models = [ARCHITECTURES[name]() for _ in range(2)]
-    _perturbed(models[1], 1)
+    models = _two_agents(name)
     k, steps = 3, 6
     torch.manual_seed(2)
     prompt_ids = torch.randint(6, 97, (2, 7))
