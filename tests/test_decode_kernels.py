@@ -309,37 +309,75 @@ def _causal_weights(blocks: int, heads: int, period: int, generator) -> torch.Te
     return weights.masked_fill(torch.arange(period) > position[:, None], 0.0)
 
 
-@needs_avx512
-@pytest.mark.parametrize("blocks, heads, period, dim", [
+#: The own-token products' kernel families this CPU runs: AVX2, and AVX-512 where it has it.
+OWN_FAMILIES = pytest.mark.parametrize("avx512", [False] + ([True] if decode_kernels.AVX512_PANELS else []),
+                                       ids=lambda a: "avx512" if a else "avx2")
+OWN_SHAPES = pytest.mark.parametrize("blocks, heads, period, dim", [
     (16, 2, 63, 64),  # the L benchmark's blocks
     (3, 3, 17, 8),  # narrow heads: masked lanes
     (2, 1, 1, 16),  # one step
-    (4, 2, 40, 24),
+    (4, 2, 40, 24),  # a 16-float chunk of dim half masked
     (2, 2, 70, 128),  # two 64-wide passes; five 16-column blocks
+    (1, 5, 13, 20),  # row groups of 4 and of 6 that straddle heads
 ])
-def test_own_token_products_compute_the_causal_half_of_the_batched_products(blocks, heads, period, dim):
-    """The training attention's products over each row's own tokens (`own_scores`, `own_weighted`,
-    `own_transposed`) equal torch.bmm where a row sees the key (position >= key), to float rounding."""
+
+
+def _own_operands(blocks: int, heads: int, period: int, dim: int):
     generator = torch.Generator().manual_seed(period * dim)
     queries = torch.randn(blocks, heads * period, dim, generator=generator)
     keys = torch.randn(blocks, period, dim, generator=generator)
-    weights = _causal_weights(blocks, heads, period, generator)
+    return queries, keys, _causal_weights(blocks, heads, period, generator)
+
+
+@needs_kernel
+@OWN_FAMILIES
+@OWN_SHAPES
+def test_own_token_products_compute_the_causal_half_of_the_batched_products(avx512, blocks, heads, period, dim):
+    """The training attention's products over each row's own tokens (`own_scores`, `own_weighted`,
+    `own_transposed`) equal torch.bmm where a row sees the key (position >= key), to float rounding."""
+    queries, keys, weights = _own_operands(blocks, heads, period, dim)
     seen = torch.arange(period) <= (torch.arange(heads * period) % period)[:, None]
-    scores = decode_kernels.own_scores(queries, keys)
+    scores = decode_kernels.own_scores(queries, keys, avx512=avx512)
     expected = torch.bmm(queries.double(), keys.double().transpose(1, 2))
     torch.testing.assert_close(torch.where(seen, scores.double(), 0.0), torch.where(seen, expected, 0.0),
                                rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(decode_kernels.own_weighted(weights, keys).double(),
+    torch.testing.assert_close(decode_kernels.own_weighted(weights, keys, avx512=avx512).double(),
                                torch.bmm(weights.double(), keys.double()), rtol=1e-5, atol=1e-5)
-    transposed = decode_kernels.own_transposed(weights, queries)
+    transposed = decode_kernels.own_transposed(weights, queries, avx512=avx512)
     torch.testing.assert_close(transposed.double(), torch.bmm(weights.double().transpose(1, 2), queries.double()),
                                rtol=1e-5, atol=1e-5)
-    # Weights without room past their end are copied first (the kernel reads four keys at a time).
+    # Weights without room past their end are copied first (the kernels read 4 or 6 keys at a time).
     tight = torch.empty(weights.numel()).view_as(weights).copy_(weights)
-    assert torch.equal(decode_kernels.own_transposed(tight, queries), transposed)
+    assert torch.equal(decode_kernels.own_transposed(tight, queries, avx512=avx512), transposed)
 
 
-@needs_avx512
+@needs_kernel
+@OWN_SHAPES
+def test_own_token_products_columns_past_the_period_are_never_written(blocks, heads, period, dim):
+    """Score rows are `period` long and back to back: a column block running past the period must
+    stop there or it would overwrite the next row's first scores."""
+    queries, keys, _ = _own_operands(blocks, heads, period, dim)
+    scores = decode_kernels.own_scores(queries, keys, avx512=False)
+    seen = torch.arange(period) <= (torch.arange(heads * period) % period)[:, None]
+    expected = torch.bmm(queries.double(), keys.double().transpose(1, 2))
+    # Position 0's only seen column is column 0: anything stored past a row's end lands there.
+    first = torch.where(seen, scores.double(), 0.0)[:, :, 0]
+    torch.testing.assert_close(first, expected[:, :, 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(decode_kernels.library() is None or not decode_kernels.AVX512_PANELS,
+                    reason="compares the AVX2 own-token kernels with the AVX-512 ones")
+@OWN_SHAPES
+def test_own_token_products_agree_bit_for_bit_across_kernel_families(blocks, heads, period, dim):
+    queries, keys, weights = _own_operands(blocks, heads, period, dim)
+    seen = torch.arange(period) <= (torch.arange(heads * period) % period)[:, None]
+    avx2, avx512 = (decode_kernels.own_scores(queries, keys, avx512=a) for a in (False, True))
+    assert torch.equal(torch.where(seen, avx2, 0.0), torch.where(seen, avx512, 0.0))
+    for product, operand in ((decode_kernels.own_weighted, keys), (decode_kernels.own_transposed, queries)):
+        assert torch.equal(product(weights, operand, avx512=False), product(weights, operand, avx512=True))
+
+
+@needs_kernel
 def test_own_token_products_refuse_shapes_that_are_not_whole_periods():
     with pytest.raises(ValueError, match="whole periods"):
         decode_kernels.own_scores(torch.randn(2, 7, 8), torch.randn(2, 3, 8))

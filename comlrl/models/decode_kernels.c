@@ -1102,6 +1102,152 @@ void comlrl_own_transposed(int64_t blocks, int64_t rows, int64_t period, int64_t
     }
 }
 
+/* The same three products on AVX2 CPUs, 8-lane registers: a tile of 6 rows (or keys) x 16 columns
+ * keeps 12 sums in flight (the FMA units' latency needs 8), each sum over the same terms in the same
+ * order as the AVX-512 kernels', so the results are theirs bit for bit. The scores are written in
+ * the same whole 16-column blocks. Lanes past `period` or `dim` are masked at the edges only. */
+#define OWN2_ROWS 6
+#define OWN2_SUMS(M) M(0) M(1) M(2) M(3) M(4) M(5)
+#define OWN2_INIT(r) __m256 s##r##l = _mm256_setzero_ps(), s##r##h = _mm256_setzero_ps();
+#define OWN2_FMA(r, W) { const __m256 w = _mm256_broadcast_ss(W); \
+    s##r##l = _mm256_fmadd_ps(w, low, s##r##l); s##r##h = _mm256_fmadd_ps(w, high, s##r##h); }
+#define OWN2_STORE(r) if (r < rows) { \
+    if (full) { _mm256_storeu_ps(c[r], s##r##l); _mm256_storeu_ps(c[r] + 8, s##r##h); } \
+    else { _mm256_maskstore_ps(c[r], m0, s##r##l); _mm256_maskstore_ps(c[r] + 8, m1, s##r##h); } }
+
+/* The lanes of columns n0 .. n0 + 15 that lie below n, as two 8-lane masks; whether all 16 do. */
+static inline int own2_masks(int64_t n, int64_t n0, __m256i *m0, __m256i *m1) {
+    const int64_t left = n - n0;
+    *m0 = first_lanes(left < 0 ? 0 : left > 8 ? 8 : left);
+    *m1 = first_lanes(left < 8 ? 0 : left > 16 ? 8 : left - 8);
+    return left >= 16;
+}
+
+/* c[r][0 .. 15] = sum_d a[r][d] * kt[d][0 .. 15] for up to 6 rows (kt's 16 columns padded: always read). */
+static void own2_scores_tile(int64_t dim, const float *const a[OWN2_ROWS], const float *kt, int64_t ldk,
+                             float *const c[OWN2_ROWS], int rows, int full, __m256i m0, __m256i m1) {
+    OWN2_SUMS(OWN2_INIT)
+    for (int64_t d = 0; d < dim; d++) {
+        const __m256 low = _mm256_load_ps(kt + d * ldk), high = _mm256_load_ps(kt + d * ldk + 8);
+#define OWN2_SCORE_FMA(r) OWN2_FMA(r, a[r] + d)
+        OWN2_SUMS(OWN2_SCORE_FMA)
+    }
+    OWN2_SUMS(OWN2_STORE)
+}
+
+int comlrl_own_scores_avx2(int64_t blocks, int64_t rows, int64_t period, int64_t dim, const float *q,
+                           const float *keys, float *scores) {
+    const int64_t column_blocks = (period + 15) / 16, ldk = column_blocks * 16;
+    float *kt = aligned_alloc(64, (size_t)(dim * ldk * 4 + 63) / 64 * 64 + 64);
+    if (!kt) return -1;
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *kb = keys + b * period * dim;
+        for (int64_t d = 0; d < dim; d++)
+            for (int64_t j = 0; j < ldk; j++) kt[d * ldk + j] = j < period ? kb[j * dim + d] : 0.0f;
+        for (int64_t i0 = 0; i0 < rows; i0 += OWN2_ROWS) {
+            const int count = rows - i0 < OWN2_ROWS ? (int)(rows - i0) : OWN2_ROWS;
+            const float *a[OWN2_ROWS];
+            float *c[OWN2_ROWS];
+            for (int r = 0; r < OWN2_ROWS; r++) {  /* past the last row: reread it, store nothing */
+                const int64_t i = b * rows + i0 + (r < count ? r : count - 1);
+                a[r] = q + i * dim;
+                c[r] = scores + i * period;
+            }
+            const int64_t needed = own_last_position(i0, count, period) / 16 + 1;
+            for (int64_t jb = 0; jb < needed; jb++) {
+                __m256i m0, m1;
+                const int full = own2_masks(period, jb * 16, &m0, &m1);
+                float *cj[OWN2_ROWS];
+                for (int r = 0; r < OWN2_ROWS; r++) cj[r] = c[r] + jb * 16;
+                own2_scores_tile(dim, a, kt + jb * 16, ldk, cj, count, full, m0, m1);
+            }
+        }
+    }
+    free(kt);
+    return 0;
+}
+
+/* c[r][0 .. 15] = sum over j < keys of p[r][j] * v[j][0 .. 15] for up to 6 rows (m0, m1: the 16
+ * floats' lanes in dim; masked loads only where not `full`). */
+static void own2_weighted_tile(int64_t keys, const float *const p[OWN2_ROWS], const float *v, int64_t ldv,
+                               float *const c[OWN2_ROWS], int rows, int full, __m256i m0, __m256i m1) {
+    OWN2_SUMS(OWN2_INIT)
+    for (int64_t j = 0; j < keys; j++) {
+        const float *vj = v + j * ldv;
+        const __m256 low = full ? _mm256_loadu_ps(vj) : _mm256_maskload_ps(vj, m0);
+        const __m256 high = full ? _mm256_loadu_ps(vj + 8) : _mm256_maskload_ps(vj + 8, m1);
+#define OWN2_WEIGHT_FMA(r) OWN2_FMA(r, p[r] + j)
+        OWN2_SUMS(OWN2_WEIGHT_FMA)
+    }
+    OWN2_SUMS(OWN2_STORE)
+}
+
+void comlrl_own_weighted_avx2(int64_t blocks, int64_t rows, int64_t period, int64_t dim, const float *p,
+                              const float *values, float *out) {
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t i0 = 0; i0 < rows; i0 += OWN2_ROWS) {
+            const int count = rows - i0 < OWN2_ROWS ? (int)(rows - i0) : OWN2_ROWS;
+            const float *pr[OWN2_ROWS];
+            float *c[OWN2_ROWS];
+            for (int r = 0; r < OWN2_ROWS; r++) {
+                const int64_t i = b * rows + i0 + (r < count ? r : count - 1);
+                pr[r] = p + i * period;
+                c[r] = out + i * dim;
+            }
+            const int64_t keys = own_last_position(i0, count, period) + 1;
+            for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+                __m256i m0, m1;
+                const int full = own2_masks(dim, d0, &m0, &m1);
+                float *cd[OWN2_ROWS];
+                for (int r = 0; r < OWN2_ROWS; r++) cd[r] = c[r] + d0;
+                own2_weighted_tile(keys, pr, values + b * period * dim + d0, dim, cd, count, full, m0, m1);
+            }
+        }
+}
+
+/* c[j][0 .. 15] (+)= sum over `count` consecutive rows n of p[n][j] * x[n][0 .. 15] for 6 keys (c[j]:
+ * a scratch row for keys past the last one); with `accumulate` the sums start from c's. */
+static void own2_transposed_tile(int64_t count, const float *p, int64_t ldp, const float *x, int64_t ldx,
+                                 float *const c[OWN2_ROWS], int full, __m256i m0, __m256i m1, int accumulate) {
+    const int rows = OWN2_ROWS;
+#define OWN2_LOAD(r) __m256 s##r##l = _mm256_setzero_ps(), s##r##h = _mm256_setzero_ps(); \
+    if (accumulate) { s##r##l = _mm256_maskload_ps(c[r], m0); s##r##h = _mm256_maskload_ps(c[r] + 8, m1); }
+    OWN2_SUMS(OWN2_LOAD)
+    for (int64_t n = 0; n < count; n++) {
+        const float *pn = p + n * ldp, *xn = x + n * ldx;
+        const __m256 low = full ? _mm256_loadu_ps(xn) : _mm256_maskload_ps(xn, m0);
+        const __m256 high = full ? _mm256_loadu_ps(xn + 8) : _mm256_maskload_ps(xn + 8, m1);
+#define OWN2_KEY_FMA(r) OWN2_FMA(r, pn + r)
+        OWN2_SUMS(OWN2_KEY_FMA)
+    }
+    OWN2_SUMS(OWN2_STORE)
+}
+
+/* As comlrl_own_transposed; p must be readable 5 floats past its end (six keys' weights a row). */
+void comlrl_own_transposed_avx2(int64_t blocks, int64_t rows, int64_t period, int64_t dim, const float *p,
+                                const float *x, float *out) {
+    float scratch[16] __attribute__((aligned(64))) = {0};  /* the sums of keys past the last, 16 dims a tile */
+    const int64_t heads = rows / period;
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *pb = p + b * rows * period, *xb = x + b * rows * dim;
+        float *ob = out + b * period * dim;
+        for (int64_t j0 = 0; j0 < period; j0 += OWN2_ROWS) {
+            const int keys = period - j0 < OWN2_ROWS ? (int)(period - j0) : OWN2_ROWS;
+            for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+                __m256i m0, m1;
+                const int full = own2_masks(dim, d0, &m0, &m1);
+                float *c[OWN2_ROWS];
+                for (int j = 0; j < OWN2_ROWS; j++) c[j] = j < keys ? ob + (j0 + j) * dim + d0 : scratch;
+                for (int64_t h = 0; h < heads; h++) {  /* the head's rows at positions j0 on */
+                    const int64_t i = h * period + j0;
+                    own2_transposed_tile(period - j0, pb + i * period + j0, period, xb + i * dim + d0, dim, c, full,
+                                         m0, m1, h > 0);
+                }
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------------------------------
  * A whole decode step in one call (lean.StackedLeanDecoder.step where every kernel above runs):
  * the embedding rows, each layer's projections, rotary embedding + cache write, attention, residual

@@ -186,10 +186,12 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_decode_step_work_floats.restype = i64
     lib.comlrl_decode_step.argtypes = [ctypes.POINTER(_StepPlan), pointer, pointer, i64, pointer]
     lib.comlrl_decode_step.restype = ctypes.c_int
-    for name in ("comlrl_own_scores", "comlrl_own_weighted", "comlrl_own_transposed"):
-        getattr(lib, name).argtypes = [i64, i64, i64, i64, pointer, pointer, pointer]
-    lib.comlrl_own_scores.restype = ctypes.c_int
-    lib.comlrl_own_weighted.restype = lib.comlrl_own_transposed.restype = None
+    for family in ("", "_avx2"):
+        for name in ("comlrl_own_scores", "comlrl_own_weighted", "comlrl_own_transposed"):
+            getattr(lib, name + family).argtypes = [i64, i64, i64, i64, pointer, pointer, pointer]
+        getattr(lib, "comlrl_own_scores" + family).restype = ctypes.c_int
+        getattr(lib, "comlrl_own_weighted" + family).restype = None
+        getattr(lib, "comlrl_own_transposed" + family).restype = None
     _library = lib
     return lib
 
@@ -459,12 +461,20 @@ def _own_blocks(a: torch.Tensor, b: torch.Tensor, period: int) -> Tuple[int, int
             raise ValueError("decode_kernels: the own-token products need contiguous fp32 (blocks, rows, n) tensors")
     if period < 1 or rows % period:
         raise ValueError(f"decode_kernels: {rows} rows are not whole periods of {period} positions")
-    if not AVX512_PANELS:
-        raise ValueError("decode_kernels: the own-token products need a CPU on which PyTorch runs AVX-512 code")
     return blocks, rows
 
 
-_OWN_PADDING = 3
+def _own_entry(name: str, avx512: Optional[bool]):
+    """The C function `name` of the AVX-512 family (`avx512`, default: where the CPU has it) or of
+    the AVX2 one; both give the same results bit for bit."""
+    if avx512 is None:
+        avx512 = AVX512_PANELS
+    if avx512 and not AVX512_PANELS:
+        raise ValueError("the AVX-512 kernels need a CPU on which PyTorch runs AVX-512 code")
+    return getattr(library(), name if avx512 else name + "_avx2")
+
+
+_OWN_PADDING = 5  # the AVX2 `own_transposed` reads six keys' weights at once, the AVX-512 one four
 
 
 def _padded_empty(*shape: int) -> torch.Tensor:
@@ -473,7 +483,7 @@ def _padded_empty(*shape: int) -> torch.Tensor:
     return torch.empty(count + _OWN_PADDING, dtype=torch.float32)[:count].view(shape)
 
 
-def own_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def own_scores(queries: torch.Tensor, keys: torch.Tensor, avx512: Optional[bool] = None) -> torch.Tensor:
     """The training attention's scores of each row's queries against its own tokens, causal:
     `queries` (blocks, heads * period, dim), a KV head's query heads one after another, `keys`
     (blocks, period, dim); returns (blocks, heads * period, period) whose row at position p holds
@@ -483,13 +493,14 @@ def own_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     blocks, rows = _own_blocks(queries, keys, period)
     if keys.shape[2] != dim:
         raise ValueError("decode_kernels.own_scores: queries and keys differ in head size")
-    out = _padded_empty(blocks, rows, period)  # `own_transposed` reads it 4 columns at a time
-    if library().comlrl_own_scores(blocks, rows, period, dim, queries.data_ptr(), keys.data_ptr(), out.data_ptr()):
+    out = _padded_empty(blocks, rows, period)  # `own_transposed` reads it 4 or 6 columns at a time
+    if _own_entry("comlrl_own_scores", avx512)(blocks, rows, period, dim, queries.data_ptr(), keys.data_ptr(),
+                                               out.data_ptr()):
         raise MemoryError("decode_kernels: no memory for the keys' transposed copy")
     return out
 
 
-def own_weighted(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def own_weighted(weights: torch.Tensor, values: torch.Tensor, avx512: Optional[bool] = None) -> torch.Tensor:
     """`torch.bmm(weights, values)` for `weights` (blocks, heads * period, period) that are 0 past
     each row's position (probabilities or score gradients after `attention_softmax`) and
     `values` (blocks, period, dim): each row sums over the keys it sees only."""
@@ -498,11 +509,12 @@ def own_weighted(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     if values.shape[1] != period:
         raise ValueError("decode_kernels.own_weighted: the weights' columns are not the values' rows")
     out = torch.empty(blocks, rows, dim, dtype=torch.float32)
-    library().comlrl_own_weighted(blocks, rows, period, dim, weights.data_ptr(), values.data_ptr(), out.data_ptr())
+    _own_entry("comlrl_own_weighted", avx512)(blocks, rows, period, dim, weights.data_ptr(), values.data_ptr(),
+                                              out.data_ptr())
     return out
 
 
-def own_transposed(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def own_transposed(weights: torch.Tensor, x: torch.Tensor, avx512: Optional[bool] = None) -> torch.Tensor:
     """`torch.bmm(weights.transpose(1, 2), x)` for `weights` as in `own_weighted` and `x` (blocks,
     heads * period, dim): key j sums over the rows at positions >= j only."""
     period, dim = weights.shape[2], x.shape[2]
@@ -510,10 +522,11 @@ def own_transposed(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if x.shape[1] != rows:
         raise ValueError("decode_kernels.own_transposed: the weights and x differ in rows")
     readable = weights.untyped_storage().nbytes() // 4 - weights.storage_offset()
-    if readable < weights.numel() + _OWN_PADDING:  # the kernel reads 4 keys' weights at once
+    if readable < weights.numel() + _OWN_PADDING:  # the kernels read 4 or 6 keys' weights at once
         weights = _padded_empty(*weights.shape).copy_(weights)
     out = torch.empty(blocks, period, dim, dtype=torch.float32)
-    library().comlrl_own_transposed(blocks, rows, period, dim, weights.data_ptr(), x.data_ptr(), out.data_ptr())
+    _own_entry("comlrl_own_transposed", avx512)(blocks, rows, period, dim, weights.data_ptr(), x.data_ptr(),
+                                                out.data_ptr())
     return out
 
 

@@ -444,9 +444,9 @@ def _unblock(prompt: torch.Tensor, completion: torch.Tensor, shape: AttentionSha
 
 def _own_kernels(blocks: int, period: int) -> bool:
     """Whether the products over the rows' own tokens (`blocks` blocks of `period` keys) run as
-    `decode_kernels`' causal ones (AVX-512 CPUs, at least one block and one step) rather than
-    `torch.bmm` over every column."""
-    return decode_kernels.AVX512_PANELS and blocks > 0 and period > 0
+    `decode_kernels`' causal ones (at least one block and one step; AVX-512 or AVX2 kernels, which
+    agree bit for bit) rather than `torch.bmm` over every column."""
+    return blocks > 0 and period > 0
 
 
 def _own_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
