@@ -55,6 +55,19 @@ def test_the_c_sampler_draws_what_the_torch_ops_draw(temperature, top_k, top_p, 
 
 
 @pytest.mark.skipif(decode_kernels.library() is None, reason="the C kernels need an x86-64 CPU with AVX2 and FMA")
+def test_the_c_sampler_sorts_a_top_k_past_256_another_way_with_the_same_draws(monkeypatch):
+    """Up to 256 candidates are sorted by counting ranks, more by a heap sort: past 256 the draws
+    are the torch ops' too (rounding aside, as above)."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(1500, 700, generator=generator)
+    uniforms = torch.rand(1500, generator=generator)
+    settings = SamplingSettings(1, 1, 1.1, 0.95, 400)
+    with_kernel = draw_tokens(logits, uniforms, settings)
+    monkeypatch.setattr(decode_kernels, "runs", lambda tensor: False)
+    assert (with_kernel != draw_tokens(logits, uniforms, settings)).sum() <= 2
+
+
+@pytest.mark.skipif(decode_kernels.library() is None, reason="the C kernels need an x86-64 CPU with AVX2 and FMA")
 def test_the_c_sampler_breaks_ties_among_the_top_k_by_the_lower_token_id():
     """Integer logits (most of the top k tied): the C sampler draws what a plain Python
     reading of its rule draws (the k best by logit, ties to the lower token id, then top-p and the

@@ -676,6 +676,48 @@ static void sift_down(float *values, int64_t *ids, int64_t n, int64_t i) {
     }
 }
 
+/* Sorts n (<= RANK_SORT_MAX) candidates best first, ranked as above (ids below 2^31), by counting
+ * for each the candidates ranked above it, 8 at a time, and putting it at that position; returns 0
+ * with nothing moved where a value is NaN (no order to count). The heap sort this replaced took
+ * about half of a draw at k = 50 (~5 us a row, most of it mispredicted branches); this is
+ * branch-free, O(k^2 / 8), and gives the same order: the ranking is total over distinct ids. */
+#define RANK_SORT_MAX 256
+static int rank_sort(float *values, int64_t *ids, int64_t n) {
+    float v[RANK_SORT_MAX] __attribute__((aligned(32))), sorted_values[RANK_SORT_MAX];
+    int32_t id[RANK_SORT_MAX] __attribute__((aligned(32)));
+    int64_t sorted_ids[RANK_SORT_MAX];
+    const int64_t padded = (n + 7) / 8 * 8;
+    for (int64_t i = 0; i < n; i++) {
+        if (values[i] != values[i]) return 0;
+        v[i] = values[i];
+        id[i] = (int32_t)ids[i];
+    }
+    for (int64_t i = n; i < padded; i++) {  /* ranked below everything, -inf included (higher id) */
+        v[i] = -INFINITY;
+        id[i] = INT32_MAX;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const __m256 vi = _mm256_set1_ps(v[i]);
+        const __m256i idi = _mm256_set1_epi32(id[i]);
+        __m256i above = _mm256_setzero_si256();
+        for (int64_t j = 0; j < padded; j += 8) {
+            const __m256 vj = _mm256_load_ps(v + j);
+            const __m256 tie_lower_id = _mm256_and_ps(_mm256_cmp_ps(vj, vi, _CMP_EQ_OQ),
+                                                      _mm256_castsi256_ps(_mm256_cmpgt_epi32(idi, _mm256_load_si256((const __m256i *)(id + j)))));
+            above = _mm256_sub_epi32(above, _mm256_castps_si256(_mm256_or_ps(_mm256_cmp_ps(vj, vi, _CMP_GT_OQ), tie_lower_id)));
+        }
+        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(above), _mm256_extracti128_si256(above, 1));
+        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
+        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1));
+        const int rank = _mm_cvtsi128_si32(sum);
+        sorted_values[rank] = values[i];
+        sorted_ids[rank] = ids[i];
+    }
+    memcpy(values, sorted_values, (size_t)n * sizeof(float));
+    memcpy(ids, sorted_ids, (size_t)n * sizeof(int64_t));
+    return 1;
+}
+
 void comlrl_draw_tokens(int64_t rows, int64_t vocab, const float *logits, int64_t ld, const float *uniforms,
                         int64_t top_k, float temperature, float top_p, int64_t *out, float *values, int64_t *ids,
                         float *cdf) {
@@ -702,10 +744,11 @@ void comlrl_draw_tokens(int64_t rows, int64_t vocab, const float *logits, int64_
                 sift_down(values, ids, n, 0);
             }
         }
-        for (int64_t end = n - 1; end > 0; end--) {  /* heap sort: best first, as before */
-            swap_candidates(values, ids, 0, end);
-            sift_down(values, ids, end, 0);
-        }
+        if (n > RANK_SORT_MAX || vocab > INT32_MAX || !rank_sort(values, ids, n))
+            for (int64_t end = n - 1; end > 0; end--) {  /* heap sort: best first */
+                swap_candidates(values, ids, 0, end);
+                sift_down(values, ids, end, 0);
+            }
         /* From here on ascending, as torch.topk's output flipped: position i holds the (n-1-i)-th best. */
         const float best = values[0] / temperature;
         float total = 0.0f;
