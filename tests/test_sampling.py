@@ -55,13 +55,16 @@ def test_the_c_sampler_draws_what_the_torch_ops_draw(temperature, top_k, top_p, 
 
 
 @pytest.mark.skipif(decode_kernels.library() is None, reason="the C kernels need an x86-64 CPU with AVX2 and FMA")
-def test_the_c_sampler_sorts_a_top_k_past_256_another_way_with_the_same_draws(monkeypatch):
-    """Up to 256 candidates are sorted by counting ranks, more by a heap sort: past 256 the draws
-    are the torch ops' too (rounding aside, as above)."""
+@pytest.mark.parametrize("vocab, top_k", [(700, 400), (5000, 50)])
+def test_the_c_sampler_chooses_other_ways_for_a_big_top_k_or_vocabulary_with_the_same_draws(vocab, top_k,
+                                                                                                monkeypatch):
+    """The top k of up to 4,096 logits are found by bisecting for the k-th best, of more with a
+    heap; up to 256 candidates are sorted by counting ranks, more by a heap sort. Every way draws
+    the torch ops' tokens (rounding aside, as above)."""
     generator = torch.Generator().manual_seed(3)
-    logits = torch.randn(1500, 700, generator=generator)
+    logits = torch.randn(1500, vocab, generator=generator)
     uniforms = torch.rand(1500, generator=generator)
-    settings = SamplingSettings(1, 1, 1.1, 0.95, 400)
+    settings = SamplingSettings(1, 1, 1.1, 0.95, top_k)
     with_kernel = draw_tokens(logits, uniforms, settings)
     monkeypatch.setattr(decode_kernels, "runs", lambda tensor: False)
     assert (with_kernel != draw_tokens(logits, uniforms, settings)).sum() <= 2
