@@ -427,3 +427,19 @@ def test_decode_kernels_and_torch_ops_decode_the_same_tokens(tiny_medium_model_d
     with_torch = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [None] * 2)
     for a, b in zip(with_kernels, with_torch):
         assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+@needs_kernel
+def test_row_gather_and_scatter_are_index_select_and_index_copy():
+    generator = torch.Generator().manual_seed(5)
+    rows = torch.randn(40, 64, generator=generator)
+    index = torch.randperm(40, generator=generator)[:25]
+    gathered = decode_kernels.gather_rows(rows, index)
+    assert torch.equal(gathered, rows.index_select(0, index))
+    target, expected = torch.zeros(40, 64), torch.zeros(40, 64)
+    decode_kernels.scatter_rows(gathered * 2, index, target)
+    assert torch.equal(target, expected.index_copy_(0, index, gathered * 2))
+    with pytest.raises(ValueError, match="outside the 40 rows"):
+        decode_kernels.gather_rows(rows, torch.tensor([3, 40]))
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        decode_kernels.scatter_rows(gathered, index, torch.zeros(64, 40).t())

@@ -172,6 +172,8 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_draw_tokens.argtypes = [i64, i64, pointer, i64, pointer, i64, ctypes.c_float, ctypes.c_float, pointer,
                                        pointer, pointer, pointer]
     lib.comlrl_draw_tokens.restype = None
+    lib.comlrl_gather_rows.argtypes = lib.comlrl_scatter_rows.argtypes = [i64, i64, pointer, pointer, pointer]
+    lib.comlrl_gather_rows.restype = lib.comlrl_scatter_rows.restype = None
     lib.comlrl_rotate.argtypes = [i64, i64, i64, pointer, i64, pointer, i64, pointer]
     lib.comlrl_rotate.restype = None
     lib.comlrl_attention_softmax.argtypes = [i64, i64, i64, pointer, i64, pointer, i64, i64, i64, pointer, i64,
@@ -325,6 +327,35 @@ def swiglu_backward_rows(row_addresses: torch.Tensor, owners: Tuple[torch.Tensor
     library().comlrl_swiglu_backward(rows, half, None, row_addresses.data_ptr(), grad_hidden.data_ptr(),
                                      grad_gate_up.data_ptr(), hidden.data_ptr())
     return hidden, grad_gate_up
+
+
+def _check_rows(rows: torch.Tensor, index: torch.Tensor, count: int, name: str) -> None:
+    if rows.dtype != torch.float32 or rows.dim() != 2 or rows.stride(1) != 1 or rows.stride(0) != rows.shape[1]:
+        raise ValueError(f"decode_kernels.{name}: rows must be contiguous fp32 (n, d)")
+    if index.dtype != torch.int64 or not index.is_contiguous() or index.shape != (count,):
+        raise ValueError(f"decode_kernels.{name}: the index must be contiguous int64 ({count},)")
+    if count and not 0 <= int(index.min()) <= int(index.max()) < rows.shape[0]:
+        raise ValueError(f"decode_kernels.{name}: an index outside the {rows.shape[0]} rows")
+
+
+def gather_rows(rows: torch.Tensor, index: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """`rows.index_select(0, index)` for contiguous fp32 rows (n, d) and an int64 index: a memcpy
+    per row. `check=False` skips the index bounds check (the caller built the index for `rows`)."""
+    out = torch.empty(index.shape[0], rows.shape[1], dtype=torch.float32)
+    if check:
+        _check_rows(rows, index, index.shape[0], "gather_rows")
+    library().comlrl_gather_rows(index.shape[0], rows.shape[1], rows.data_ptr(), index.data_ptr(), out.data_ptr())
+    return out
+
+
+def scatter_rows(source: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, check: bool = True) -> None:
+    """`rows.index_copy_(0, index, source)`: row index[i] of `rows` (n, d, contiguous fp32) = row i
+    of `source` (len(index), d, contiguous fp32)."""
+    if check:
+        _check_rows(rows, index, source.shape[0], "scatter_rows")
+        if source.dtype != torch.float32 or not source.is_contiguous() or source.shape[1:] != rows.shape[1:]:
+            raise ValueError("decode_kernels.scatter_rows: the source must be contiguous fp32 rows like `rows`'")
+    library().comlrl_scatter_rows(index.shape[0], rows.shape[1], source.data_ptr(), index.data_ptr(), rows.data_ptr())
 
 
 def _norm_shape(x: torch.Tensor, weight: torch.Tensor) -> Tuple[int, int]:

@@ -50,6 +50,7 @@ model's to float rounding.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -421,25 +422,54 @@ class AttentionShape(NamedTuple):
     head_dim: int
 
 
-def _blocked(x: torch.Tensor, shape: AttentionShape) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(prompt part (prompts * kv, n * width, D), completion part (prompts * kv * K, n * steps, D)),
-    contiguous copies of x (tokens, kv * n, D) with each KV head's n heads as rows of its block:
-    the layout the attention's batched products read."""
+@functools.lru_cache(maxsize=64)
+def _block_rows(shape: AttentionShape, row_stride: int, first: int, count: int,
+                device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Where `_blocked`'s rows are: indices into `_head_rows` of a tensor whose tokens lie
+    `row_stride` heads apart, for heads first .. first + count - 1 (count = kv * n), in the order of
+    the prompt part and of the completion part. A run sees a few shapes (widths are bucketed), so
+    each pair is built once."""
     g, w, k, s, _, kv, d = shape
-    n = x.shape[1] // kv
-    prompt, completion = x.split([g * w, g * k * s])
-    prompt = prompt.reshape(g, w, kv, n, d).permute(0, 2, 3, 1, 4).reshape(g * kv, n * w, d)
-    completion = completion.reshape(g, k, s, kv, n, d).permute(0, 3, 1, 4, 2, 5).reshape(g * kv * k, n * s, d)
-    return prompt.contiguous(), completion.contiguous()
+    n = count // kv
+    rows = torch.arange((g * w + g * k * s) * row_stride, device=device).view(-1, row_stride)[:, first:first + count]
+    prompt = rows[:g * w].reshape(g, w, kv, n).permute(0, 2, 3, 1).reshape(-1)
+    completion = rows[g * w:].reshape(g, k, s, kv, n).permute(0, 3, 1, 4, 2).reshape(-1)
+    return prompt, completion
 
 
-def _unblock(prompt: torch.Tensor, completion: torch.Tensor, shape: AttentionShape, out: torch.Tensor) -> None:
-    """Writes `_blocked`'s two parts back into `out` (tokens, kv * n, D) (a view may be strided)."""
+def _head_rows(x: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """x (tokens, heads, D) with contiguous heads, token t's at a multiple of D floats apart (a
+    slice of a wider projection output is), as (rows of D, the heads one token's row stride spans)."""
+    tokens, heads, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d or x.stride(0) % d:
+        raise ValueError(f"the attention's operands need contiguous heads of {d} floats")
+    row_stride = x.stride(0) // d
+    return x.as_strided(((tokens - 1) * row_stride + heads if tokens else 0, d), (d, 1)), row_stride
+
+
+def _blocked(x: torch.Tensor, first: int, count: int, shape: AttentionShape) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(prompt part (prompts * kv, n * width, D), completion part (prompts * kv * K, n * steps, D)):
+    copies of heads first .. first + count - 1 (count = kv * n) of x (tokens, heads, D, see
+    `_head_rows`), each KV head's n heads as rows of its block: the layout the attention's batched
+    products read. One C row gather per part (`decode_kernels.gather_rows`; at the L benchmark's
+    shape ~3x faster than torch's copies through permuted views)."""
     g, w, k, s, _, kv, d = shape
-    n = out.shape[1] // kv
-    out_prompt, out_completion = out.split([g * w, g * k * s])
-    out_prompt.view(g, w, kv, n, d).copy_(prompt.view(g, kv, n, w, d).permute(0, 3, 1, 2, 4))
-    out_completion.view(g, k, s, kv, n, d).copy_(completion.view(g, kv, k, n, s, d).permute(0, 2, 4, 1, 3, 5))
+    n = count // kv
+    rows, row_stride = _head_rows(x)
+    prompt_rows, completion_rows = _block_rows(shape, row_stride, first, count, x.device)
+    return (decode_kernels.gather_rows(rows, prompt_rows, check=False).view(g * kv, n * w, d),
+            decode_kernels.gather_rows(rows, completion_rows, check=False).view(g * kv * k, n * s, d))
+
+
+def _unblock(prompt: torch.Tensor, completion: torch.Tensor, shape: AttentionShape, out: torch.Tensor,
+             first: int, count: int) -> None:
+    """Writes `_blocked`'s two parts back into heads first .. first + count - 1 of `out` (tokens,
+    heads, D, see `_head_rows`)."""
+    rows, row_stride = _head_rows(out)
+    prompt_rows, completion_rows = _block_rows(shape, row_stride, first, count, out.device)
+    d = rows.shape[1]
+    decode_kernels.scatter_rows(prompt.reshape(-1, d).contiguous(), prompt_rows, rows, check=False)
+    decode_kernels.scatter_rows(completion.reshape(-1, d).contiguous(), completion_rows, rows, check=False)
 
 
 def _own_kernels(blocks: int, period: int) -> bool:
@@ -478,9 +508,9 @@ class _SharedPrefixAttention(torch.autograd.Function):
     def forward(ctx, query_key, value, prompt_bias, prefix_bias, shape: AttentionShape, scale: float):
         g, w, k, s, heads, kv, d = shape
         group = heads // kv
-        q_prompt, q_completion = _blocked(query_key[:, :heads], shape)
-        k_prompt, k_completion = _blocked(query_key[:, heads:], shape)
-        v_prompt, v_completion = _blocked(value, shape)
+        q_prompt, q_completion = _blocked(query_key, 0, heads, shape)
+        k_prompt, k_completion = _blocked(query_key, heads, kv, shape)
+        v_prompt, v_completion = _blocked(value, 0, kv, shape)
         q_rows = q_completion.view(g * kv, k * group * s, d)  # all K rows' queries of a prompt and KV head
 
         # Prompts: causal self-attention (prompt_bias). Completions: the prompt's keys (prefix_bias
@@ -495,7 +525,7 @@ class _SharedPrefixAttention(torch.autograd.Function):
         attended = _own_weighted(own_probs, v_completion)
         attended.view(g * kv, k * group * s, d).baddbmm_(prefix_probs, v_prompt)
         out = query_key.new_empty(query_key.shape[0], heads, d)
-        _unblock(attended_prompt, attended, shape, out)
+        _unblock(attended_prompt, attended, shape, out, 0, heads)
         ctx.save_for_backward(q_prompt, q_completion, k_prompt, k_completion, v_prompt, v_completion,
                               prompt_probs, prefix_probs, own_probs)
         ctx.shape, ctx.scale = shape, scale
@@ -508,7 +538,7 @@ class _SharedPrefixAttention(torch.autograd.Function):
         shape, scale = ctx.shape, ctx.scale
         g, w, k, s, heads, kv, d = shape
         group = heads // kv
-        grad_prompt, grad_completion = _blocked(grad.reshape(-1, heads, d), shape)
+        grad_prompt, grad_completion = _blocked(grad.reshape(-1, heads, d), 0, heads, shape)
         grad_rows = grad_completion.view(g * kv, k * group * s, d)
         q_rows = q_completion.view(g * kv, k * group * s, d)
 
@@ -533,10 +563,10 @@ class _SharedPrefixAttention(torch.autograd.Function):
 
         tokens = grad.shape[0]
         grad_query_key = grad.new_empty(tokens, heads + kv, d)
-        _unblock(grad_q_prompt, grad_q_completion, shape, grad_query_key[:, :heads])
-        _unblock(grad_k_prompt, grad_k_completion, shape, grad_query_key[:, heads:])
+        _unblock(grad_q_prompt, grad_q_completion, shape, grad_query_key, 0, heads)
+        _unblock(grad_k_prompt, grad_k_completion, shape, grad_query_key, heads, kv)
         grad_value = grad.new_empty(tokens, kv, d)
-        _unblock(grad_v_prompt, grad_v_completion, shape, grad_value)
+        _unblock(grad_v_prompt, grad_v_completion, shape, grad_value, 0, kv)
         return grad_query_key, grad_value, None, None, None, None
 
 
