@@ -124,6 +124,26 @@ def test_the_library_is_built_once_per_machine_and_a_missing_compiler_falls_back
     assert "decode projections use torch.bmm" in caplog.text
 
 
+@needs_kernel
+def test_decode_attention_takes_a_prompt_with_many_rows_in_parts():
+    """A prompt's rows x query heads per KV head past the kernel's 256 go in parts that share the
+    prefix: 130 rows x 2 heads here, so parts of 128 rows and 2."""
+    generator = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, width, max_new, steps, group_size, prompts = 4, 2, 16, 11, 8, 5, 130, 2
+    rows = prompts * group_size
+    query_key = torch.randn(rows, heads + kv_heads, dim, generator=generator)
+    prefix_keys = torch.randn(prompts, kv_heads, dim, width, generator=generator)
+    prefix_values = torch.randn(prompts, kv_heads, width, dim, generator=generator)
+    keys = torch.randn(rows, kv_heads, dim, max_new, generator=generator)
+    values = torch.randn(rows, kv_heads, max_new, dim, generator=generator)
+    bias = 0.5 * torch.randn(rows, 1, 1, width + max_new, generator=generator)
+    got = decode_kernels.attention(query_key, heads, group_size, prefix_keys, prefix_values, keys, values, steps,
+                                   bias, dim ** -0.5)
+    expected = _reference_attention(query_key, heads, group_size, prefix_keys, prefix_values, keys, values, steps,
+                                    bias, dim ** -0.5)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-6)
+
+
 def _reference_attention(query_key, heads, group_size, prefix_keys, prefix_values, keys, values, steps, bias, scale):
     """Row by row and head by head, in float64: softmax over the prompt's and the row's own columns."""
     rows, _, dim = query_key.shape
@@ -160,7 +180,8 @@ def test_decode_attention_matches_a_plain_softmax_attention(heads, kv_heads, dim
     prefix_values = torch.randn(prompts, kv_heads, width, dim, generator=generator)
     keys = torch.randn(rows, kv_heads, dim, max_new, generator=generator)
     values = torch.randn(rows, kv_heads, max_new, dim, generator=generator)
-    bias = torch.zeros(rows, 1, 1, width + max_new)
+    # Rows of one prompt share its prefix but not their bias: each row's own, plus the padding.
+    bias = 0.5 * torch.randn(rows, 1, 1, width + max_new, generator=generator)
     bias[:group_size, ..., :4] = float("-inf")  # the first prompt is left-padded by 4
     values_poisoned = values.clone()
     values_poisoned[:, :, steps:] = float("nan")  # columns not generated yet must not be read

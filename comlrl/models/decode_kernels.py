@@ -157,6 +157,8 @@ def library() -> Optional[ctypes.CDLL]:
     lib.comlrl_decode_attention.argtypes = [i64, i64, i64, i64, i64, pointer, i64, pointer, pointer, i64, pointer,
                                             pointer, i64, i64, pointer, i64, ctypes.c_float, pointer, pointer]
     lib.comlrl_decode_attention.restype = None
+    lib.comlrl_decode_attention_scratch_floats.argtypes = [i64] * 4
+    lib.comlrl_decode_attention_scratch_floats.restype = i64
     lib.comlrl_residual_rms_norm.argtypes = [i64, i64, pointer, pointer, ctypes.c_float, pointer]
     lib.comlrl_residual_rms_norm.restype = None
     lib.comlrl_silu_mul.argtypes = [i64, i64, pointer, pointer]
@@ -223,7 +225,8 @@ def attention(query_key: torch.Tensor, heads: int, group_size: int, prefix_keys:
         if not tensor.is_contiguous() or tensor.dtype != torch.float32:
             raise ValueError("decode_kernels.attention needs contiguous fp32 tensors")
     out = torch.empty(rows, heads * dim, dtype=torch.float32)
-    scratch = torch.empty(2 * (width + steps), dtype=torch.float32)  # two query heads at a time
+    scratch = torch.empty(library().comlrl_decode_attention_scratch_floats(group_size, heads // kv_heads, width, steps),
+                          dtype=torch.float32)
     library().comlrl_decode_attention(
         rows, kv_heads, heads // kv_heads, dim, group_size, query_key.data_ptr(), query_key.stride(0),
         prefix_keys.data_ptr(), prefix_values.data_ptr(), width, keys.data_ptr(), values.data_ptr(), max_new, steps,

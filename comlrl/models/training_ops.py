@@ -21,10 +21,13 @@ ops and keeps only what its gradient cannot cheaply recompute:
   pass each over the scores in place, where the torch composition concatenated the two score
   parts, added a bias tensor, split the probabilities and copied them for its products. L
   benchmark chunk (1 prompt of 48 tokens, 8 rows of 63), one layer's attention forward +
-  backward: 5.6 -> 4.5 ms; the L run's peak RSS ~15 MB lower. On AVX-512 CPUs the six products
-  over each row's own tokens are causal C kernels (`decode_kernels.own_scores`, `own_weighted`,
-  `own_transposed`) that skip the keys a position does not see, where torch.bmm multiplies every
-  column: L's attention forward + backward ~1.14 -> ~0.92 s over the run (Zen 4 EPYC).
+  backward: 5.6 -> 4.5 ms; the L run's peak RSS ~15 MB lower. The six products over each row's
+  own tokens are causal C kernels (`decode_kernels.own_scores`, `own_weighted`, `own_transposed`;
+  AVX-512, and AVX2 ones with the same sums) that skip the keys a position does not see, where
+  torch.bmm multiplies every column: L's attention forward + backward ~1.14 -> ~0.92 s over the
+  run (Zen 4 EPYC), 1.27 -> 1.16 s (Zen 3, AVX2). The blocked layout is gathered and scattered by
+  rows of head_dim floats over cached indices (`decode_kernels.gather_rows`): the same chunk's
+  forward + backward 4.47 -> 3.75 ms on Zen 3, where torch copied through permuted views.
 
 Where fp32 products go through oneDNN (AVX-512 CPUs that are not Intel's), weight gradients come
 from `decode_kernels.grad_weight`, which reads the output gradient and the input in place; oneDNN
