@@ -34,7 +34,7 @@ from comlrl import checkpoint as ckpt
 from comlrl import faults
 from comlrl.distributed import DistContext
 from comlrl.logging import MetricsSink
-from comlrl.models import lean
+from comlrl.models import lean, pages
 from comlrl.precision import MIXED_PRECISION_MODES, compute_dtype
 from comlrl.losses import (
     ADVANTAGE_MODES,
@@ -395,6 +395,8 @@ class MAGRPOTrainer:
                      self.run_id, total_epochs)
             return self._summary()
 
+        if any(torch.device(d).type == "cpu" for d in self.devices):
+            pages.keep_freed_memory()  # each step's tensors reuse the last one's pages
         self.logger.start(self._run_config(), (state or {}).get("wandb"), self.last_logged_step)
         bar = tqdm(total=total_updates, initial=self.updates_done, desc="MAGRPO", unit="update",
                    disable=not (a.show_progress and self.dist.is_main), dynamic_ncols=True)
