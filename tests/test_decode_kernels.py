@@ -124,24 +124,18 @@ def test_the_library_is_built_once_per_machine_and_a_missing_compiler_falls_back
     assert "decode projections use torch.bmm" in caplog.text
 
 
-@needs_kernel
-def test_decode_attention_takes_a_prompt_with_many_rows_in_parts():
-    """A prompt's rows x query heads per KV head past the kernel's 256 go in parts that share the
-    prefix: 130 rows x 2 heads here, so parts of 128 rows and 2."""
-    generator = torch.Generator().manual_seed(11)
-    heads, kv_heads, dim, width, max_new, steps, group_size, prompts = 4, 2, 16, 11, 8, 5, 130, 2
+def _attention_inputs(seed: int, heads: int, kv_heads: int, dim: int, width: int, max_new: int, group_size: int,
+                      prompts: int):
+    """Random (query_key, prefix_keys, prefix_values, keys, values, bias) in `decode_kernels.attention`'s
+    layout; rows of one prompt share its prefix but not their bias."""
+    generator = torch.Generator().manual_seed(seed)
     rows = prompts * group_size
-    query_key = torch.randn(rows, heads + kv_heads, dim, generator=generator)
-    prefix_keys = torch.randn(prompts, kv_heads, dim, width, generator=generator)
-    prefix_values = torch.randn(prompts, kv_heads, width, dim, generator=generator)
-    keys = torch.randn(rows, kv_heads, dim, max_new, generator=generator)
-    values = torch.randn(rows, kv_heads, max_new, dim, generator=generator)
-    bias = 0.5 * torch.randn(rows, 1, 1, width + max_new, generator=generator)
-    got = decode_kernels.attention(query_key, heads, group_size, prefix_keys, prefix_values, keys, values, steps,
-                                   bias, dim ** -0.5)
-    expected = _reference_attention(query_key, heads, group_size, prefix_keys, prefix_values, keys, values, steps,
-                                    bias, dim ** -0.5)
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-6)
+    return (torch.randn(rows, heads + kv_heads, dim, generator=generator),
+            torch.randn(prompts, kv_heads, dim, width, generator=generator),
+            torch.randn(prompts, kv_heads, width, dim, generator=generator),
+            torch.randn(rows, kv_heads, dim, max_new, generator=generator),
+            torch.randn(rows, kv_heads, max_new, dim, generator=generator),
+            0.5 * torch.randn(rows, 1, 1, width + max_new, generator=generator))
 
 
 def _reference_attention(query_key, heads, group_size, prefix_keys, prefix_values, keys, values, steps, bias, scale):
@@ -172,16 +166,10 @@ def test_decode_attention_matches_a_plain_softmax_attention(heads, kv_heads, dim
     exactly zero weight), generated columns past `steps` ignored; column counts and head sizes that
     take every blocking of the kernel (4, 2 and 1 blocks of 8 columns, masked tails, heads in pairs
     and alone, 32 and 8 outputs at a time)."""
-    generator = torch.Generator().manual_seed(steps)
     group_size, prompts = 3, 2
     rows = prompts * group_size
-    query_key = torch.randn(rows, heads + kv_heads, dim, generator=generator)
-    prefix_keys = torch.randn(prompts, kv_heads, dim, width, generator=generator)
-    prefix_values = torch.randn(prompts, kv_heads, width, dim, generator=generator)
-    keys = torch.randn(rows, kv_heads, dim, max_new, generator=generator)
-    values = torch.randn(rows, kv_heads, max_new, dim, generator=generator)
-    # Rows of one prompt share its prefix but not their bias: each row's own, plus the padding.
-    bias = 0.5 * torch.randn(rows, 1, 1, width + max_new, generator=generator)
+    query_key, prefix_keys, prefix_values, keys, values, bias = _attention_inputs(
+        steps, heads, kv_heads, dim, width, max_new, group_size, prompts)
     bias[:group_size, ..., :4] = float("-inf")  # the first prompt is left-padded by 4
     values_poisoned = values.clone()
     values_poisoned[:, :, steps:] = float("nan")  # columns not generated yet must not be read
@@ -197,6 +185,17 @@ def test_decode_attention_matches_a_plain_softmax_attention(heads, kv_heads, dim
     again = decode_kernels.attention(query_key, heads, group_size, prefix_keys, padded_values, keys, values, steps,
                                      bias, scale)
     assert torch.equal(again[:group_size], got[:group_size])
+
+
+@needs_kernel
+def test_decode_attention_takes_a_prompt_with_many_rows_in_parts():
+    """A prompt's rows x query heads per KV head past the kernel's 256 go in parts that share the
+    prefix: 130 rows x 2 heads here, so parts of 128 rows and 2."""
+    heads, steps, group_size, dim = 4, 5, 130, 16
+    inputs = _attention_inputs(11, heads, 2, dim, 11, 8, group_size, 2)
+    got = decode_kernels.attention(inputs[0], heads, group_size, *inputs[1:5], steps, inputs[5], dim ** -0.5)
+    expected = _reference_attention(inputs[0], heads, group_size, *inputs[1:5], steps, inputs[5], dim ** -0.5)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-6)
 
 
 @needs_kernel

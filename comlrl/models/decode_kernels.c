@@ -1190,6 +1190,33 @@ static inline int64_t own_last_position(int64_t i0, int64_t count, int64_t perio
     return last;
 }
 
+/* Rows i0 .. i0 + count - 1 of block b (count = min(group, rows - i0), returned) as `group` row
+ * pointers into a (row stride lda) and c (row stride ldc); those past the last row repeat it (its
+ * sums are computed again and not stored). */
+static int own_row_group(int64_t b, int64_t rows, int64_t i0, int group, const float *a, int64_t lda, float *c,
+                         int64_t ldc, const float **a_rows, float **c_rows) {
+    const int count = rows - i0 < group ? (int)(rows - i0) : group;
+    for (int r = 0; r < group; r++) {
+        const int64_t i = b * rows + i0 + (r < count ? r : count - 1);
+        a_rows[r] = a + i * lda;
+        c_rows[r] = c + i * ldc;
+    }
+    return count;
+}
+
+/* A block's keys (period x dim) transposed into kt (dim x ldk, ldk = period rounded up to 16), zero
+ * past the period, for the scores kernels to read 16 columns at a time. own_keys_scratch allocates
+ * kt (NULL when it cannot). */
+static float *own_keys_scratch(int64_t period, int64_t dim, int64_t *ldk) {
+    *ldk = (period + 15) / 16 * 16;
+    return aligned_alloc(64, (size_t)(dim * *ldk * 4 + 63) / 64 * 64 + 64);
+}
+
+static void own_transpose_keys(const float *kb, int64_t period, int64_t dim, int64_t ldk, float *kt) {
+    for (int64_t d = 0; d < dim; d++)
+        for (int64_t j = 0; j < ldk; j++) kt[d * ldk + j] = j < period ? kb[j * dim + d] : 0.0f;
+}
+
 /* c[r][jb * 16 ..] = sum_d a[r][d] * kt[d][jb * 16 ..] for 4 rows and NJ 16-column blocks. */
 #define OWN_SCORES_KERNEL(NJ) \
 static AVX512 void own_scores_##NJ(int64_t dim, const float *const a[OWN_ROWS], const float *kt, int64_t ldk, \
@@ -1223,22 +1250,15 @@ static AVX512 void own_chunk_masks(int64_t n, int64_t d0, __mmask16 masks[4]) {
  * written) when the scratch cannot be allocated. */
 int comlrl_own_scores(int64_t blocks, int64_t rows, int64_t period, int64_t dim, const float *q, const float *keys,
                       float *scores) {
-    const int64_t column_blocks = (period + 15) / 16, ldk = column_blocks * 16;
-    float *kt = aligned_alloc(64, (size_t)(dim * ldk * 4 + 63) / 64 * 64 + 64);
+    int64_t ldk;
+    float *kt = own_keys_scratch(period, dim, &ldk);
     if (!kt) return -1;
     for (int64_t b = 0; b < blocks; b++) {
-        const float *kb = keys + b * period * dim;
-        for (int64_t d = 0; d < dim; d++)
-            for (int64_t j = 0; j < ldk; j++) kt[d * ldk + j] = j < period ? kb[j * dim + d] : 0.0f;
+        own_transpose_keys(keys + b * period * dim, period, dim, ldk, kt);
         for (int64_t i0 = 0; i0 < rows; i0 += OWN_ROWS) {
-            const int count = rows - i0 < OWN_ROWS ? (int)(rows - i0) : OWN_ROWS;
             const float *a[OWN_ROWS];
             float *c[OWN_ROWS];
-            for (int r = 0; r < OWN_ROWS; r++) {  /* past the last row: reread it, store nothing */
-                const int64_t i = b * rows + i0 + (r < count ? r : count - 1);
-                a[r] = q + i * dim;
-                c[r] = scores + i * period;
-            }
+            const int count = own_row_group(b, rows, i0, OWN_ROWS, q, dim, scores, period, a, c);
             const int64_t needed = own_last_position(i0, count, period) / 16 + 1;
             for (int64_t jb = 0; jb < needed; jb += 4) {
                 const int nj = needed - jb < 4 ? (int)(needed - jb) : 4;
@@ -1286,14 +1306,9 @@ void comlrl_own_weighted(int64_t blocks, int64_t rows, int64_t period, int64_t d
                          float *out) {
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t i0 = 0; i0 < rows; i0 += OWN_ROWS) {
-            const int count = rows - i0 < OWN_ROWS ? (int)(rows - i0) : OWN_ROWS;
             const float *pr[OWN_ROWS];
             float *c[OWN_ROWS];
-            for (int r = 0; r < OWN_ROWS; r++) {
-                const int64_t i = b * rows + i0 + (r < count ? r : count - 1);
-                pr[r] = p + i * period;
-                c[r] = out + i * dim;
-            }
+            const int count = own_row_group(b, rows, i0, OWN_ROWS, p, period, out, dim, pr, c);
             const int64_t keys = own_last_position(i0, count, period) + 1;
             for (int64_t d0 = 0; d0 < dim; d0 += 64) {
                 __mmask16 masks[4];
@@ -1397,22 +1412,15 @@ static void own2_scores_tile(int64_t dim, const float *const a[OWN2_ROWS], const
 
 int comlrl_own_scores_avx2(int64_t blocks, int64_t rows, int64_t period, int64_t dim, const float *q,
                            const float *keys, float *scores) {
-    const int64_t column_blocks = (period + 15) / 16, ldk = column_blocks * 16;
-    float *kt = aligned_alloc(64, (size_t)(dim * ldk * 4 + 63) / 64 * 64 + 64);
+    int64_t ldk;
+    float *kt = own_keys_scratch(period, dim, &ldk);
     if (!kt) return -1;
     for (int64_t b = 0; b < blocks; b++) {
-        const float *kb = keys + b * period * dim;
-        for (int64_t d = 0; d < dim; d++)
-            for (int64_t j = 0; j < ldk; j++) kt[d * ldk + j] = j < period ? kb[j * dim + d] : 0.0f;
+        own_transpose_keys(keys + b * period * dim, period, dim, ldk, kt);
         for (int64_t i0 = 0; i0 < rows; i0 += OWN2_ROWS) {
-            const int count = rows - i0 < OWN2_ROWS ? (int)(rows - i0) : OWN2_ROWS;
             const float *a[OWN2_ROWS];
             float *c[OWN2_ROWS];
-            for (int r = 0; r < OWN2_ROWS; r++) {  /* past the last row: reread it, store nothing */
-                const int64_t i = b * rows + i0 + (r < count ? r : count - 1);
-                a[r] = q + i * dim;
-                c[r] = scores + i * period;
-            }
+            const int count = own_row_group(b, rows, i0, OWN2_ROWS, q, dim, scores, period, a, c);
             const int64_t needed = own_last_position(i0, count, period) / 16 + 1;
             for (int64_t jb = 0; jb < needed; jb++) {
                 __m256i m0, m1;
@@ -1446,14 +1454,9 @@ void comlrl_own_weighted_avx2(int64_t blocks, int64_t rows, int64_t period, int6
                               const float *values, float *out) {
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t i0 = 0; i0 < rows; i0 += OWN2_ROWS) {
-            const int count = rows - i0 < OWN2_ROWS ? (int)(rows - i0) : OWN2_ROWS;
             const float *pr[OWN2_ROWS];
             float *c[OWN2_ROWS];
-            for (int r = 0; r < OWN2_ROWS; r++) {
-                const int64_t i = b * rows + i0 + (r < count ? r : count - 1);
-                pr[r] = p + i * period;
-                c[r] = out + i * dim;
-            }
+            const int count = own_row_group(b, rows, i0, OWN2_ROWS, p, period, out, dim, pr, c);
             const int64_t keys = own_last_position(i0, count, period) + 1;
             for (int64_t d0 = 0; d0 < dim; d0 += 16) {
                 __m256i m0, m1;
