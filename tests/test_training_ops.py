@@ -271,17 +271,21 @@ def _attention_inputs(prompts, width, k, steps, heads, kv_heads, head_dim, paddi
     dict(prompts=2, width=5, k=3, steps=1, heads=4, kv_heads=4, head_dim=8, padding=[0, 1]),  # MHA, one step
     dict(prompts=2, width=5, k=2, steps=0, heads=4, kv_heads=1, head_dim=8, padding=[1, 0]),  # prompts only
 ])
-@pytest.mark.parametrize("causal_kernels", [True, False], ids=["own-token-kernels", "bmm"])
-def test_fused_attention_computes_the_composed_attention_and_its_gradients(layout, causal_kernels, monkeypatch):
+@pytest.mark.parametrize("own_products", ["avx2", "avx512", "bmm"])
+def test_fused_attention_computes_the_composed_attention_and_its_gradients(layout, own_products, monkeypatch):
     """In fp32 with the C kernels, the training forward's attention is one autograd node whose
     softmax and masks are C passes (`shared_prefix_attention`); its output and the gradients of the
     queries, keys and values agree with the torch composition it replaces to float rounding, with
-    the products over each row's own tokens as causal C kernels (AVX-512) or as torch.bmm."""
+    the products over each row's own tokens as causal C kernels (AVX2, or AVX-512 where the CPU has
+    it) or as torch.bmm."""
     from comlrl.models import lean
 
-    if causal_kernels and not decode_kernels.AVX512_PANELS:
-        pytest.skip("the causal own-token kernels run on AVX-512 CPUs")
-    monkeypatch.setattr(decode_kernels, "AVX512_PANELS", causal_kernels)
+    if own_products == "avx512" and not decode_kernels.AVX512_PANELS:
+        pytest.skip("the AVX-512 own-token kernels need a CPU that runs them")
+    if own_products == "avx2":
+        monkeypatch.setattr(decode_kernels, "AVX512_PANELS", False)  # AVX2 code runs on AVX-512 CPUs too
+    causal_kernels = own_products != "bmm"
+    monkeypatch.setattr(training_ops, "OWN_TOKEN_KERNELS", causal_kernels)
     own_calls, own_scores = [], decode_kernels.own_scores
     monkeypatch.setattr(decode_kernels, "own_scores", lambda *a: own_calls.append(1) or own_scores(*a))
 

@@ -435,8 +435,9 @@ def _block_rows(shape: AttentionShape, row_stride: int, first: int, count: int,
     g, w, k, s, _, kv, d = shape
     n = count // kv
     rows = torch.arange((g * w + g * k * s) * row_stride, device=device).view(-1, row_stride)[:, first:first + count]
-    prompt = rows[:g * w].reshape(g, w, kv, n).permute(0, 2, 3, 1).reshape(-1)
-    completion = rows[g * w:].reshape(g, k, s, kv, n).permute(0, 3, 1, 4, 2).reshape(-1)
+    # contiguous: where the permutation only moves size-1 dims, reshape returns a strided view
+    prompt = rows[:g * w].reshape(g, w, kv, n).permute(0, 2, 3, 1).reshape(-1).contiguous()
+    completion = rows[g * w:].reshape(g, k, s, kv, n).permute(0, 3, 1, 4, 2).reshape(-1).contiguous()
     return prompt, completion
 
 
@@ -475,11 +476,16 @@ def _unblock(prompt: torch.Tensor, completion: torch.Tensor, shape: AttentionSha
     decode_kernels.scatter_rows(completion.reshape(-1, d).contiguous(), completion_rows, rows, check=False)
 
 
+#: Whether the products over the rows' own tokens run as `decode_kernels`' causal ones (False:
+#: `torch.bmm` over every column, which the tests compare them with).
+OWN_TOKEN_KERNELS = True
+
+
 def _own_kernels(blocks: int, period: int) -> bool:
     """Whether the products over the rows' own tokens (`blocks` blocks of `period` keys) run as
     `decode_kernels`' causal ones (at least one block and one step; AVX-512 or AVX2 kernels, which
     agree bit for bit) rather than `torch.bmm` over every column."""
-    return blocks > 0 and period > 0
+    return OWN_TOKEN_KERNELS and blocks > 0 and period > 0
 
 
 def _own_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
