@@ -23,20 +23,51 @@
 #define NR 8
 #define PREFETCH_ROWS 64 /* panel rows ahead (2 KB): measured best of 16/32/64/128 on an AVX2 EPYC */
 
+/* t[0 .. 7] = the 8 x 8 block r[0 .. 7] transposed (t[i][j] = r[j][i]). */
+static inline void transpose8x8(const __m256 r[8], __m256 t[8]) {
+    __m256 a[8], b[8];
+    for (int i = 0; i < 8; i += 2) {
+        a[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        a[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        b[i] = _mm256_shuffle_ps(a[i], a[i + 2], 0x44);
+        b[i + 1] = _mm256_shuffle_ps(a[i], a[i + 2], 0xEE);
+        b[i + 2] = _mm256_shuffle_ps(a[i + 1], a[i + 3], 0x44);
+        b[i + 3] = _mm256_shuffle_ps(a[i + 1], a[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm256_permute2f128_ps(b[i], b[i + 4], 0x20);
+        t[i + 4] = _mm256_permute2f128_ps(b[i], b[i + 4], 0x31);
+    }
+}
+
 /* w: n x k (row stride ldw), out: ceil(n / width) * k * width floats, 64-byte aligned; width is
  * NR (AVX2 kernels) or NR16 (AVX-512 kernels). Each panel is written front to back, reading its
  * `width` weight rows side by side (one pass of sequential reads and writes; row by row, each
- * panel line was written `width` times, ~2x slower). */
+ * panel line was written `width` times, ~2x slower). Whole panels go 8 inputs x 8 outputs at a
+ * time through an in-register transpose (both agents' medium-model weights, warm: 3.1-3.7 -> 1.8-2.3 ms);
+ * the last panel's missing outputs and inputs past a multiple of 8 element by element. */
 void comlrl_pack_panels(const float *w, int64_t n, int64_t k, int64_t ldw, float *out, int64_t width) {
     int64_t panels = (n + width - 1) / width;
     for (int64_t p = 0; p < panels; p++) {
         float *dst = out + p * k * width;
         int64_t rows = n - p * width < width ? n - p * width : width;
         const float *src = w + p * width * ldw;
-        for (int64_t i = 0; i < k; i++, dst += width) {
+        int64_t i = 0;
+        if (rows == width)
+            for (; i + 8 <= k; i += 8)
+                for (int64_t j = 0; j < width; j += 8) {
+                    __m256 block[8], transposed[8];
+                    for (int r = 0; r < 8; r++) block[r] = _mm256_loadu_ps(src + (j + r) * ldw + i);
+                    transpose8x8(block, transposed);
+                    for (int r = 0; r < 8; r++) _mm256_storeu_ps(dst + (i + r) * width + j, transposed[r]);
+                }
+        for (; i < k; i++) {
+            float *line = dst + i * width;
             int64_t j = 0;
-            for (; j < rows; j++) dst[j] = src[j * ldw + i];
-            for (; j < width; j++) dst[j] = 0.0f;
+            for (; j < rows; j++) line[j] = src[j * ldw + i];
+            for (; j < width; j++) line[j] = 0.0f;
         }
     }
 }
