@@ -398,6 +398,13 @@ static inline float lanes_sum(__m256 v) {
     return total;
 }
 
+static inline int32_t lanes_sum_epi32(__m256i v) {
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1));
+    return _mm_cvtsi128_si32(sum);
+}
+
 /* scores <- softmax(scores) over `count` values, in place. */
 static void softmax(float *scores, int64_t count) {
     const __m256 shift = _mm256_set1_ps(lanes_max(row_max(scores, count, _mm256_set1_ps(-INFINITY))));
@@ -878,10 +885,7 @@ static int rank_sort(float *values, int64_t *ids, int64_t n) {
                                                       _mm256_castsi256_ps(_mm256_cmpgt_epi32(idi, _mm256_load_si256((const __m256i *)(id + j)))));
             above = _mm256_sub_epi32(above, _mm256_castps_si256(_mm256_or_ps(_mm256_cmp_ps(vj, vi, _CMP_GT_OQ), tie_lower_id)));
         }
-        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(above), _mm256_extracti128_si256(above, 1));
-        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
-        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1));
-        const int rank = _mm_cvtsi128_si32(sum);
+        const int rank = lanes_sum_epi32(above);
         sorted_values[rank] = values[i];
         sorted_ids[rank] = ids[i];
     }
@@ -932,10 +936,7 @@ static int64_t select_top_k_small(const float *row, int64_t vocab, int64_t top_k
         __m256i below = _mm256_setzero_si256();
         for (int64_t j = 0; j < padded; j += 8)
             below = _mm256_sub_epi32(below, _mm256_cmpgt_epi32(bound, _mm256_load_si256((const __m256i *)(keys + j))));
-        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(below), _mm256_extracti128_si256(below, 1));
-        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
-        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1));
-        if (padded - _mm_cvtsi128_si32(sum) >= top_k) lo = middle;
+        if (padded - lanes_sum_epi32(below) >= top_k) lo = middle;
         else hi = middle;
     }
     const int32_t kth = (int32_t)lo;
@@ -953,38 +954,54 @@ static int64_t select_top_k_small(const float *row, int64_t vocab, int64_t top_k
     return n;
 }
 
+/* The top_k best of a row of vocab logits into values and ids as a heap with the lowest-ranked at
+ * the root: a later token enters only above it (a tie with it ranks below, by its higher id).
+ * Returns the count. */
+static int64_t select_top_k_heap(const float *row, int64_t vocab, int64_t top_k, float *values, int64_t *ids) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < vocab; t++) {
+        const float v = row[t];
+        if (n < top_k) {
+            int64_t at = n++;
+            values[at] = v;
+            ids[at] = t;
+            while (at > 0 && ranks_below(values[at], ids[at], values[(at - 1) / 2], ids[(at - 1) / 2])) {
+                swap_candidates(values, ids, at, (at - 1) / 2);
+                at = (at - 1) / 2;
+            }
+        } else if (v > values[0]) {
+            values[0] = v;
+            ids[0] = t;
+            sift_down(values, ids, n, 0);
+        }
+    }
+    return n;
+}
+
+/* select_top_k_heap's heap of n candidates sorted best first. */
+static void heap_sort(float *values, int64_t *ids, int64_t n) {
+    for (int64_t end = n - 1; end > 0; end--) {
+        swap_candidates(values, ids, 0, end);
+        sift_down(values, ids, end, 0);
+    }
+}
+
 void comlrl_draw_tokens(int64_t rows, int64_t vocab, const float *logits, int64_t ld, const float *uniforms,
                         int64_t top_k, float temperature, float top_p, int64_t *out, float *values, int64_t *ids,
                         float *cdf) {
     for (int64_t r = 0; r < rows; r++) {
         const float *row = logits + r * ld;
-        /* A small vocabulary's top k by bisection (select_top_k_small; a 32-row draw at vocab 257,
-         * k = 50 on an AVX2 EPYC, with the rank sort: ~240-260 -> ~66-70 us, the same tokens).
-         * Otherwise the best top_k logits so far as a heap with the lowest-ranked at the root: a later
-         * token enters only above it (a tie with it ranks below, by its higher id). */
+        /* The top k, best first. A small vocabulary's by bisection and rank counting (a 32-row draw
+         * at vocab 257, k = 50 on an AVX2 EPYC: ~240-260 -> ~66-70 us, the same tokens); otherwise, or
+         * where a logit is NaN, through a heap, sorted by counting ranks where they can be counted. */
         int64_t n = vocab <= THRESHOLD_VOCAB && top_k <= RANK_SORT_MAX ?
                     select_top_k_small(row, vocab, top_k, values, ids) : 0;
-        for (int64_t t = n ? vocab : 0; t < vocab; t++) {
-            const float v = row[t];
-            if (n < top_k) {
-                int64_t at = n++;
-                values[at] = v;
-                ids[at] = t;
-                while (at > 0 && ranks_below(values[at], ids[at], values[(at - 1) / 2], ids[(at - 1) / 2])) {
-                    swap_candidates(values, ids, at, (at - 1) / 2);
-                    at = (at - 1) / 2;
-                }
-            } else if (v > values[0]) {
-                values[0] = v;
-                ids[0] = t;
-                sift_down(values, ids, n, 0);
-            }
+        if (n) {
+            rank_sort(values, ids, n);  /* no NaN among them, so it sorts */
+        } else {
+            n = select_top_k_heap(row, vocab, top_k, values, ids);
+            if (n > RANK_SORT_MAX || vocab > INT32_MAX || !rank_sort(values, ids, n)) heap_sort(values, ids, n);
         }
-        if (n > RANK_SORT_MAX || vocab > INT32_MAX || !rank_sort(values, ids, n))
-            for (int64_t end = n - 1; end > 0; end--) {  /* heap sort: best first */
-                swap_candidates(values, ids, 0, end);
-                sift_down(values, ids, end, 0);
-            }
         /* From here on ascending, as torch.topk's output flipped: position i holds the (n-1-i)-th best. */
         const float best = values[0] / temperature;
         float total = 0.0f;

@@ -85,8 +85,9 @@ def keep_freed_memory() -> bool:
     blocks past a threshold that starts at 128 KB as mappings of their own and unmaps them when
     freed, and returns the top of its heap once more than twice that threshold is free there, so the
     next step's tensors land on fresh pages again: a page fault and a zeroing pass per 4 KiB. At the
-    L benchmark's shape (AVX2 EPYC) that was ~119,000 faults and 0.31-0.39 s of kernel time per run;
-    with these settings ~45,000 and 0.10-0.15 s, peak RSS unchanged (635 MB either way).
+    L benchmark's shape (AVX2 EPYC) that was ~99,000-133,000 faults and 0.31-0.39 s of kernel time
+    per run; with these settings ~45,000 and 0.10-0.15 s, peak RSS 2-5 MB higher (632-635 ->
+    637-639 MB; S-small and S-medium unchanged).
 
     Once per process, on Linux with glibc, unless `COMLRL_KEEP_FREED_MEMORY=0` or the user tuned
     malloc already (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `GLIBC_TUNABLES`, or a
