@@ -1612,8 +1612,20 @@ int64_t comlrl_decode_step_work_floats(int64_t agents, int64_t rows, int64_t hid
            rounded16(rows * widest);
 }
 
-static float *step_output(const StepProjection *p, int64_t step, int64_t per_step, float *work) {
-    return p->record ? p->record + step * per_step : work;
+/* A step's recorded outputs are read back only by the training pass, after the sampling call:
+ * written through the caches, they pushed the weights the next products read out of L3 (each step
+ * streams both agents' weights, ~19 MB for the medium model, past ~1 MB of records). So the
+ * products write into the hot work buffers and their outputs are copied to the record with
+ * non-temporal stores, once the layer no longer changes them. */
+static void stream_copy(float *dst, const float *src, int64_t count) {
+    int64_t i = 0;
+    for (; i < count && ((uintptr_t)(dst + i) & 31); i++) dst[i] = src[i];
+    for (; i + 8 <= count; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+    for (; i < count; i++) dst[i] = src[i];
+}
+
+static void record_output(const StepProjection *p, int64_t step, int64_t per_step, const float *out) {
+    if (p->record) stream_copy(p->record + step * per_step, out, per_step);
 }
 
 /* tokens: (agents * rows) ids, agent-major; rotation: (agents * rows, dim / 2) (cos, sin) pairs;
@@ -1644,7 +1656,7 @@ int comlrl_decode_step(const StepPlan *plan, const int64_t *tokens, const float 
     for (int64_t i = 0; i < plan->layers; i++) {
         const StepLayer *L = plan->layer + i;
         const StepProjection *p;
-        float *qkv = step_output(&L->qkv, step, total * qkv_n, qkv_work);
+        float *qkv = qkv_work;
         p = &L->qkv;
         panel_product(agents, rows, qkv_n, hidden, x, rows * hidden, hidden, p->packed, p->packed_stride, p->bias,
                       p->bias_stride, qkv, rows * qkv_n, qkv_n, p->width, p->avx512, xt);
@@ -1653,22 +1665,27 @@ int comlrl_decode_step(const StepPlan *plan, const int64_t *tokens, const float 
         comlrl_decode_attention(total, kv_heads, heads / kv_heads, dim, plan->group_size, qkv, qkv_n,
                                 L->prefix_keys, L->prefix_values, plan->width, L->keys, L->values, plan->max_new,
                                 step + 1, plan->attention_bias, plan->bias_stride, plan->scale, attended, scratch);
-        float *o = step_output(&L->o, step, total * hidden, o_out);
+        float *o = o_out;
         p = &L->o;
         panel_product(agents, rows, hidden, q_n, attended, rows * q_n, q_n, p->packed, p->packed_stride, p->bias,
                       p->bias_stride, o, rows * hidden, hidden, p->width, p->avx512, xt);
         comlrl_residual_rms_norm(total, hidden, state, o, L->eps, x);
-        float *gate_up = step_output(&L->gate_up, step, total * 2 * inter, gate_up_work);
+        float *gate_up = gate_up_work;
         p = &L->gate_up;
         panel_product(agents, rows, 2 * inter, hidden, x, rows * hidden, hidden, p->packed, p->packed_stride,
                       p->bias, p->bias_stride, gate_up, rows * 2 * inter, 2 * inter, p->width, p->avx512, xt);
         comlrl_silu_mul(total, inter, gate_up, act);
-        float *down = step_output(&L->down, step, total * hidden, down_out);
+        float *down = down_out;
         p = &L->down;
         panel_product(agents, rows, hidden, inter, act, rows * inter, inter, p->packed, p->packed_stride, p->bias,
                       p->bias_stride, down, rows * hidden, hidden, p->width, p->avx512, xt);
         comlrl_residual_rms_norm(total, hidden, state, down, L->next_eps, x);
+        record_output(&L->qkv, step, total * qkv_n, qkv);
+        record_output(&L->o, step, total * hidden, o);
+        record_output(&L->gate_up, step, total * 2 * inter, gate_up);
+        record_output(&L->down, step, total * hidden, down);
     }
+    _mm_sfence();
     const StepProjection *h = &plan->head;
     panel_product(agents, rows, plan->vocab, hidden, x, rows * hidden, hidden, h->packed, h->packed_stride, h->bias,
                   h->bias_stride, logits, rows * plan->vocab, plan->vocab, h->width, h->avx512, xt);
