@@ -189,20 +189,20 @@ KERNEL2(rows1w16, R1(ROW2_INIT), R1(ROW2_FMA), R1(ROW2_STORE))
 /* The AVX2 16-wide family: blocks of 6 rows, but 7 or 8 left go as 4 + 3 or 4 + 4 (a block of
  * 1-2 rows keeps too few sums in flight): 16 rows are 6 + 6 + 4, 8 rows 4 + 4. The first block
  * reads the panel from L3 (a decode step streams every weight once: ~19 MB for two agents of the
- * medium model), the next from L1; that second block fetches the next panel into L2, so the next
- * first block waits on L2 instead of L3. On an AVX2 EPYC (Zen 3), a medium-model step's products
- * at 16 rows per agent, in-process A/B, medians: 2.47-2.81 -> 2.29-2.52 ms (7-15%); fetching two
- * panels ahead, into L1, or in the first block too was no better. */
+ * medium model), the others from L1; the last of them fetches the next panel into L2, so the next
+ * first block waits on L2 instead of L3. On an AVX2 EPYC (Zen 3), L-shaped sampling calls with
+ * builds alternating in one process, the products' perf samples: -13% (fetching from the second
+ * block instead: -11%, as it evicts some of the panel the third still reads; a T2 hint: the same);
+ * a step's products alone, streamed in turn, medians 2.47-2.81 -> 2.29-2.52 ms. */
 #define ROW_BLOCKS_W16 \
     /* the panel after this one: the next of this weight, or the next agent's first */ \
     const float *next_panel = p + 1 < panels ? panel + k * NR16 \
                               : a + 1 < batch ? packed + (a + 1) * packed_batch_stride : 0; \
-    int fetched = 0; \
     while (r < m) { \
         int64_t left = m - r; \
         int64_t rows = left == 7 || left == 8 ? 4 : left >= 6 ? 6 : left >= 4 ? 4 : left; \
         float *cr = ca + r * ldc + c0; \
-        const float *fetch = r > 0 && !fetched++ ? next_panel : 0; \
+        const float *fetch = r > 0 && r + rows == m ? next_panel : 0; \
         switch (rows) { \
             case 6: rows6w16(k, xt + r, m, panel, b, cr, ldc, cols, fetch); break; \
             case 4: rows4w16(k, xt + r, m, panel, b, cr, ldc, cols, fetch); break; \
