@@ -384,3 +384,35 @@ def test_agents_of_one_shape_take_turns_with_one_set_of_gradient_buffers():
         gradients.take_back(index)
         assert model.weight.grad is None
     assert pointers[0] == pointers[1] != pointers[2]
+
+
+@pytest.mark.parametrize("setting", ["default", "opted_out", "frozen_by_the_user"])
+def test_objects_from_before_training_are_frozen_for_the_collector_while_it_runs(make_trainer, monkeypatch, setting):
+    import gc
+
+    seen = []
+
+    def reward(completions1, completions2):
+        seen.append(gc.get_freeze_count())
+        return [float(len(a) > len(b)) for a, b in zip(completions1, completions2)]
+
+    if setting == "opted_out":
+        monkeypatch.setenv("COMLRL_FREEZE_GC", "0")
+    trainer = make_trainer(reward=reward)
+    if setting == "frozen_by_the_user":
+        gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        trainer.train()
+        after = gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
+    assert seen
+    if setting == "default":
+        # the trainer and its models are in the frozen generation during training, handed back after
+        assert before == 0 and min(seen) > 10_000 and after == 0
+    elif setting == "opted_out":
+        assert before == 0 and set(seen) == {0} and after == 0
+    else:  # the user's own freeze is left as it is: neither extended nor undone (frozen objects
+        # that lose their last reference are still freed, so the count may only shrink)
+        assert before > 10_000 and max(seen) <= before and before // 2 < after <= before

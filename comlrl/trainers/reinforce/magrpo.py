@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import gc
 import logging
 import math
 import os
@@ -72,6 +73,27 @@ RUN_SHAPE_KEYS = frozenset(
 # Exit status of a run stopped by SIGTERM/SIGUSR1/SIGINT after writing its checkpoint (EX_TEMPFAIL:
 # "try again"), so schedulers and `make resume` can tell a preemption from a failure.
 PREEMPTED_EXIT_CODE = 75
+
+
+@contextlib.contextmanager
+def _setup_objects_frozen():
+    """Python's cyclic garbage collector leaves the objects alive when training starts alone until
+    it is over (`gc.freeze`), unless `COMLRL_FREEZE_GC=0` or something froze objects already.
+
+    After loading transformers, models and datasets the process holds millions of tracked objects,
+    and the first full collection during training walks them all: 0.24-0.28 s at the L benchmark's
+    shape (AVX2 EPYC), one pause inside the first update, for almost nothing collected. Frozen,
+    they are skipped; objects made during training are collected as before, and `gc.unfreeze` hands
+    the frozen ones back to the collector when training ends. What it costs: a reference cycle
+    among objects that existed before training is freed only after it."""
+    if os.environ.get("COMLRL_FREEZE_GC", "1") == "0" or gc.get_freeze_count() > 0:
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _help(text: str, **kwargs):
@@ -401,7 +423,7 @@ class MAGRPOTrainer:
         bar = tqdm(total=total_updates, initial=self.updates_done, desc="MAGRPO", unit="update",
                    disable=not (a.show_progress and self.dist.is_main), dynamic_ncols=True)
         try:
-            with self._stop_signals():
+            with self._stop_signals(), _setup_objects_frozen():
                 for epoch in range(progress["epoch"], total_epochs):
                     first = progress["buffer_in_epoch"] if epoch == progress["epoch"] else 0
                     for buffer_index in range(first, len(buffers)):
