@@ -78,6 +78,43 @@ def test_every_kernel_family_agrees_bitwise(rows):
     assert others and all(torch.equal(first, other) for other in others)
 
 
+@needs_kernel
+@WIDTHS
+@pytest.mark.parametrize("in_features", [64, 70], ids=["in64", "in70"])
+def test_weights_packed_from_their_parts_with_a_norm_folded_in_equal_the_joined_weight(family, in_features):
+    """A QKV-like projection packed straight from its parameters (query and key rows reordered
+    through a strided view, then the value rows, the norm folded into the columns) packs and
+    multiplies bitwise as the weight `training_ops.joined_weight` makes; the same for a plain
+    part with a norm (gate/up, the LM head) and without (nothing to fold). Inputs past a multiple
+    of 8 (70) go through the element-by-element tail."""
+    from comlrl.models import training_ops
+
+    generator = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim = 3, 1, 8
+    agents_parts, norms = [], []
+    for _ in range(2):
+        q = torch.randn(heads * dim, in_features, generator=generator)
+        k = torch.randn(kv_heads * dim, in_features, generator=generator)
+        v = torch.randn(kv_heads * dim, in_features, generator=generator)
+        agents_parts.append([lean._pairs_adjacent(q, heads, dim), lean._pairs_adjacent(k, kv_heads, dim), v])
+        norms.append(torch.rand(in_features, generator=generator) + 0.5)
+    x = torch.randn(2, 13, in_features, generator=generator)
+    cases = [(agents_parts, norms), ([parts[2:] for parts in agents_parts], norms),
+             ([parts[2:] for parts in agents_parts], None)]
+    for parts, norm in cases:
+        joined = [training_ops.joined_weight(p, torch.float32, None if norm is None else norm[a])
+                  for a, p in enumerate(parts)]
+        assert not torch.equal(joined[0], torch.cat([t.reshape(-1, in_features) for t in parts[0]])) or norm is None
+        from_parts = decode_kernels.PanelWeights(parts, norms=norm, **family)
+        from_joined = decode_kernels.PanelWeights(joined, **family)
+        assert torch.equal(from_parts.packed, from_joined.packed)
+        assert torch.equal(from_parts(x), from_joined(x))
+        torch.testing.assert_close(from_parts(x), torch.stack([x[a] @ w.t() for a, w in enumerate(joined)]),
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="is not"):
+        decode_kernels.PanelWeights([agents_parts[0], agents_parts[1][:2]], **family)
+
+
 def test_a_panel_width_or_family_the_kernels_lack_is_refused():
     if decode_kernels.library() is None:
         pytest.skip("no kernel library here")

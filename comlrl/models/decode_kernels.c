@@ -21,6 +21,7 @@
 #include <math.h>
 
 #define NR 8
+#define NR16 16
 #define PREFETCH_ROWS 64 /* panel rows ahead (2 KB): measured best of 16/32/64/128 on an AVX2 EPYC */
 
 /* t[0 .. 7] = the 8 x 8 block r[0 .. 7] transposed (t[i][j] = r[j][i]). */
@@ -42,31 +43,42 @@ static inline void transpose8x8(const __m256 r[8], __m256 t[8]) {
     }
 }
 
-/* w: n x k (row stride ldw), out: ceil(n / width) * k * width floats, 64-byte aligned; width is
- * NR (AVX2 kernels) or NR16 (AVX-512 kernels). Each panel is written front to back, reading its
- * `width` weight rows side by side (one pass of sequential reads and writes; row by row, each
- * panel line was written `width` times, ~2x slower). Whole panels go 8 inputs x 8 outputs at a
- * time through an in-register transpose (both agents' medium-model weights, warm: 3.1-3.7 -> 1.8-2.3 ms);
- * the last panel's missing outputs and inputs past a multiple of 8 element by element. */
-void comlrl_pack_panels(const float *w, int64_t n, int64_t k, int64_t ldw, float *out, int64_t width) {
+/* Weight row r (k floats) at address rows[r] for r < n, each column i times scale[i] when `scale`
+ * is not NULL (an RMSNorm's weight folded in: the product rounded once, as torch.mul rounds it);
+ * out: ceil(n / width) * k * width floats, 64-byte aligned; width is NR (AVX2 kernels) or NR16
+ * (AVX-512 kernels). Reading rows through addresses packs a projection straight from its
+ * parameters, whatever order or tensors its rows come from (the QKV projection's reordered query
+ * and key rows, then the values), without first joining them into one weight (one copy of the
+ * QKV, gate/up and LM head weights fewer per sampling call). Each panel is written front to back,
+ * reading its `width` weight rows side by side (one pass of sequential reads and writes; row by
+ * row, each panel line was written `width` times, ~2x slower). Whole panels go 8 inputs x 8
+ * outputs at a time through an in-register transpose (both agents' medium-model weights, warm:
+ * 3.1-3.7 -> 1.8-2.3 ms); the last panel's missing outputs and inputs past a multiple of 8 element
+ * by element. */
+void comlrl_pack_panels(const int64_t *rows, const float *scale, int64_t n, int64_t k, float *out, int64_t width) {
     int64_t panels = (n + width - 1) / width;
     for (int64_t p = 0; p < panels; p++) {
         float *dst = out + p * k * width;
-        int64_t rows = n - p * width < width ? n - p * width : width;
-        const float *src = w + p * width * ldw;
+        int64_t count = n - p * width < width ? n - p * width : width;
+        const float *src[NR16];
+        for (int64_t j = 0; j < count; j++) src[j] = (const float *)(intptr_t)rows[p * width + j];
         int64_t i = 0;
-        if (rows == width)
-            for (; i + 8 <= k; i += 8)
+        if (count == width)
+            for (; i + 8 <= k; i += 8) {
+                const __m256 factor = scale ? _mm256_loadu_ps(scale + i) : _mm256_set1_ps(1.0f);
                 for (int64_t j = 0; j < width; j += 8) {
                     __m256 block[8], transposed[8];
-                    for (int r = 0; r < 8; r++) block[r] = _mm256_loadu_ps(src + (j + r) * ldw + i);
+                    for (int r = 0; r < 8; r++) block[r] = _mm256_loadu_ps(src[j + r] + i);
+                    if (scale)
+                        for (int r = 0; r < 8; r++) block[r] = _mm256_mul_ps(block[r], factor);
                     transpose8x8(block, transposed);
                     for (int r = 0; r < 8; r++) _mm256_storeu_ps(dst + (i + r) * width + j, transposed[r]);
                 }
+            }
         for (; i < k; i++) {
             float *line = dst + i * width;
             int64_t j = 0;
-            for (; j < rows; j++) line[j] = src[j * ldw + i];
+            for (; j < count; j++) line[j] = scale ? src[j][i] * scale[i] : src[j][i];
             for (; j < width; j++) line[j] = 0.0f;
         }
     }
@@ -126,7 +138,6 @@ ROW_KERNELS(KERNEL, ROW_INIT, ROW_FMA, ROW_STORE, rows8, rows4, rows3, rows2, ro
  * (16 of the 32 registers hold sums), so at the decode step's 16 rows per agent each panel is read
  * once. Each sum runs over k in the same order, one fused multiply-add at a time, so the results
  * equal the AVX2 kernels' bit for bit. */
-#define NR16 16
 #define PREFETCH_ROWS16 32 /* 2 KB ahead, as above */
 #define AVX512 __attribute__((target("avx512f")))
 #define ROW16_INIT(r) __m512 c##r = _mm512_setzero_ps();

@@ -56,6 +56,7 @@ and it differs from MKL's only by float rounding (tested against `torch.bmm`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import math
@@ -65,7 +66,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -149,7 +150,7 @@ def library() -> Optional[ctypes.CDLL]:
         log.warning("decode_kernels: cannot load %s (%s); decode projections use torch.bmm", path, error)
         return None
     i64, pointer = ctypes.c_int64, ctypes.c_void_p
-    lib.comlrl_pack_panels.argtypes = [pointer, i64, i64, i64, pointer, i64]
+    lib.comlrl_pack_panels.argtypes = [pointer, pointer, i64, i64, pointer, i64]
     lib.comlrl_pack_panels.restype = None
     lib.comlrl_panel_gemm.argtypes = [i64, i64, i64, i64, pointer, i64, i64, pointer, i64, pointer, i64,
                                       pointer, i64, i64, i64, i64]
@@ -571,15 +572,39 @@ def _aligned_empty(floats: int) -> torch.Tensor:
     return raw[offset: offset + floats]
 
 
+def row_addresses(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The address of every row of `parts` stacked (each part (..., columns), its columns
+    contiguous, any view of a parameter): int64, one per row, in the order `torch.cat` of the
+    parts flattened to 2-D would have them. A pure function of each part's address, element size,
+    shape and strides, so it is cached on them: the same parameters are packed every sampling
+    call, and making the table anew took ~10 torch calls per part."""
+    return _row_addresses(tuple((p.data_ptr(), p.element_size(), tuple(p.shape[:-1]), p.stride()[:-1]) for p in parts))
+
+
+@functools.lru_cache(maxsize=512)
+def _row_addresses(layouts: tuple) -> torch.Tensor:
+    addresses = []
+    for address, element_size, lead, strides in layouts:
+        offsets = torch.zeros(lead, dtype=torch.int64)
+        for d, (size, stride) in enumerate(zip(lead, strides)):
+            offsets += (torch.arange(size, dtype=torch.int64) * stride).view([-1 if i == d else 1 for i in range(len(lead))])
+        addresses.append(address + element_size * offsets.reshape(-1))
+    return torch.cat(addresses)
+
+
 class PanelWeights:
     """Several agents' weights of one projection (each (out, in), fp32, on the CPU), packed once for
     the kernel: `(A, rows, in) -> (A, rows, out)`, agent a's rows through agent a's weight, plus its
-    bias. `width`: the panel width, which picks the kernels (`PANEL_WIDTHS`, default `PANEL_WIDTH`);
-    `avx512`: whether 16-wide panels run the AVX-512 kernels (default: where the CPU has them; tests
-    set it to run the AVX2 ones there too). Every choice gives the same results, bit for bit."""
+    bias. An agent's weight may come as its parts instead (a sequence of tensors whose rows, stacked,
+    make the weight: views of the parameters, read in place), with `norms[a]` (in,) folded into its
+    columns (`training_ops.joined_weight`'s weight, without making it). `width`: the panel width,
+    which picks the kernels (`PANEL_WIDTHS`, default `PANEL_WIDTH`); `avx512`: whether 16-wide panels
+    run the AVX-512 kernels (default: where the CPU has them; tests set it to run the AVX2 ones there
+    too). Every choice gives the same results, bit for bit."""
 
-    def __init__(self, weights: List[torch.Tensor], biases: Optional[List[torch.Tensor]] = None,
-                 width: Optional[int] = None, avx512: Optional[bool] = None):
+    def __init__(self, weights: Sequence[Union[torch.Tensor, Sequence[torch.Tensor]]],
+                 biases: Optional[List[torch.Tensor]] = None, width: Optional[int] = None,
+                 avx512: Optional[bool] = None, norms: Optional[Sequence[Optional[torch.Tensor]]] = None):
         lib = library()
         assert lib is not None, "PanelWeights needs the kernel: check decode_kernels.runs() first"
         self.width = width or PANEL_WIDTH
@@ -589,14 +614,22 @@ class PanelWeights:
             raise ValueError("the AVX-512 kernels need a CPU on which PyTorch runs AVX-512 code")
         self.avx512 = self.width == 16 and (AVX512_PANELS if avx512 is None else avx512)
         self.count = len(weights)
-        self.out_features, self.in_features = weights[0].shape
+        agent_parts = [[w] if isinstance(w, torch.Tensor) else list(w) for w in weights]
+        agent_parts = [[p if p.stride(-1) == 1 else p.contiguous() for p in parts] for parts in agent_parts]
+        self.in_features = agent_parts[0][0].shape[-1]
+        self.out_features = sum(p.numel() // self.in_features for p in agent_parts[0])
         panels = -(-self.out_features // self.width)
         self._agent_floats = panels * self.in_features * self.width
         self.packed = _aligned_empty(self.count * self._agent_floats)
-        for a, weight in enumerate(weights):
-            weight = weight.contiguous()
-            lib.comlrl_pack_panels(weight.data_ptr(), self.out_features, self.in_features, weight.stride(0),
-                                   self.packed.data_ptr() + 4 * a * self._agent_floats, self.width)
+        for a, parts in enumerate(agent_parts):
+            rows = row_addresses(parts)
+            if rows.numel() != self.out_features or any(p.shape[-1] != self.in_features for p in parts):
+                raise ValueError(f"PanelWeights: agent {a}'s weight is not ({self.out_features}, {self.in_features})")
+            norm = None if norms is None else norms[a]
+            if norm is not None:
+                norm = norm.reshape(-1).to(torch.float32).contiguous()
+            lib.comlrl_pack_panels(rows.data_ptr(), None if norm is None else norm.data_ptr(), self.out_features,
+                                   self.in_features, self.packed.data_ptr() + 4 * a * self._agent_floats, self.width)
         self.bias = None
         if biases is not None:
             self.bias = torch.zeros(self.count, panels * self.width, dtype=torch.float32)
