@@ -77,7 +77,9 @@ class LeanDecoder:
     """One agent's decode weights: a snapshot of its current projections (QKV and gate/up fused),
     cast to `compute_dtype` when one is given and, on CPUs where oneDNN runs that dtype's products,
     reordered for it (`onednn.PackedLinear`), one layer at a time so that no second copy of every
-    weight is alive at once. Build one per sampling call; `StackedLeanDecoder` decodes with one or
+    weight is alive at once; where the panel kernel runs them, the parts of each projection as
+    views of the parameters (`_FoldedLinear`), copied when `StackedLeanDecoder` packs them. Build
+    one per sampling call, right before its `StackedLeanDecoder`, which decodes with one or
     several of them.
 
     Two rewrites save elementwise passes on every decode step without changing the function:
