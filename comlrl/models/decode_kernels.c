@@ -315,57 +315,68 @@ static inline __m256i first_lanes(int64_t left) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* Scores of NH query heads against BLOCKS blocks of 8 key columns from column j, the last block
- * holding `left` columns (masked loads and stores past them). A column's sum runs over d in order
- * whatever the blocking: acc = fma(q[d], key[d], acc) from 0, then fma(acc, scale, bias). */
-static inline __attribute__((always_inline)) void score_blocks(int nh, int blocks, int64_t left, const float *const *q,
-                                                               const float *keys, int64_t key_stride, int64_t dim,
-                                                               const float *bias, __m256 scale, float *const *scores,
-                                                               int64_t j) {
+/* Scores of NQ queries (up to 4, query i with its own bias row bias[i]) against BLOCKS (up to 4)
+ * blocks of 8 key columns from column j, the last holding `left` columns (masked loads and stores
+ * past them). A column's sum runs over d in order whatever the blocking: acc = fma(q[d], key[d],
+ * acc) from 0, then fma(acc, scale, bias). Each key load serves all NQ queries. */
+static inline __attribute__((always_inline)) void score_tile(int nq, int blocks, int64_t left, const float *const *q,
+                                                             const float *keys, int64_t key_stride, int64_t dim,
+                                                             const float *const *bias, __m256 scale,
+                                                             float *const *scores, int64_t j) {
     const __m256i mask = first_lanes(left);
-    __m256 acc[2][4], column[4];
-    for (int h = 0; h < nh; h++)
-        for (int b = 0; b < blocks; b++) acc[h][b] = _mm256_setzero_ps();
+    __m256 acc[4][4], column[4];
+    for (int i = 0; i < nq; i++)
+        for (int b = 0; b < blocks; b++) acc[i][b] = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; d++) {
         const float *k = keys + d * key_stride + j;
         for (int b = 0; b < blocks; b++)
             column[b] = b == blocks - 1 && left < 8 ? _mm256_maskload_ps(k + 8 * b, mask) : _mm256_loadu_ps(k + 8 * b);
-        for (int h = 0; h < nh; h++) {
-            const __m256 qd = _mm256_set1_ps(q[h][d]);
-            for (int b = 0; b < blocks; b++) acc[h][b] = _mm256_fmadd_ps(qd, column[b], acc[h][b]);
+        for (int i = 0; i < nq; i++) {
+            const __m256 qd = _mm256_set1_ps(q[i][d]);
+            for (int b = 0; b < blocks; b++) acc[i][b] = _mm256_fmadd_ps(qd, column[b], acc[i][b]);
         }
     }
     for (int b = 0; b < blocks; b++) {
         const int tail = b == blocks - 1 && left < 8;
-        const __m256 add = tail ? _mm256_maskload_ps(bias + j + 8 * b, mask) : _mm256_loadu_ps(bias + j + 8 * b);
-        for (int h = 0; h < nh; h++) {
-            const __m256 score = _mm256_fmadd_ps(acc[h][b], scale, add);
-            if (tail) _mm256_maskstore_ps(scores[h] + j + 8 * b, mask, score);
-            else _mm256_storeu_ps(scores[h] + j + 8 * b, score);
+        for (int i = 0; i < nq; i++) {
+            const float *add = bias[i] + j + 8 * b;
+            const __m256 score = _mm256_fmadd_ps(acc[i][b], scale, tail ? _mm256_maskload_ps(add, mask) : _mm256_loadu_ps(add));
+            if (tail) _mm256_maskstore_ps(scores[i] + j + 8 * b, mask, score);
+            else _mm256_storeu_ps(scores[i] + j + 8 * b, score);
         }
+    }
+}
+
+/* score_tile over all `count` columns (key row stride key_stride) for NQ queries, WIDEST (3 or 4)
+ * blocks at a time, then the last 1 .. WIDEST blocks: NQ x WIDEST sums in flight, 12 at most (a
+ * block's sum is a chain of dependent multiply-adds that waits on the FMA latency at every input:
+ * one query, one block at a time, as first written, a 2-agent x 16-row step's attention took
+ * 113 us, 69 with 4 blocks, ~40 with heads paired and masked tails, bit for bit). */
+static inline __attribute__((always_inline)) void tile_scores(int nq, int widest, const float *const *q,
+                                                              const float *keys, int64_t key_stride, int64_t count,
+                                                              int64_t dim, const float *const *bias, __m256 scale,
+                                                              float *const *scores) {
+    int64_t j = 0;
+    for (; j + 8 * widest <= count; j += 8 * widest)
+        score_tile(nq, widest, 8, q, keys, key_stride, dim, bias, scale, scores, j);
+    const int64_t rest = count - j;
+    switch ((rest + 7) / 8) {
+        case 4: score_tile(nq, 4, rest - 24, q, keys, key_stride, dim, bias, scale, scores, j); break;
+        case 3: score_tile(nq, 3, rest - 16, q, keys, key_stride, dim, bias, scale, scores, j); break;
+        case 2: score_tile(nq, 2, rest - 8, q, keys, key_stride, dim, bias, scale, scores, j); break;
+        case 1: score_tile(nq, 1, rest, q, keys, key_stride, dim, bias, scale, scores, j); break;
+        default: break;
     }
 }
 
 /* scores[h][j] (j < count) = bias[j] + scale * sum_d q[h][d] * keys[d * key_stride + j] for NH
  * (1 or 2) query heads of one KV head: keys stored transposed (head_dim rows of `count` columns,
- * row stride key_stride), each read once for both heads. Up to 4 blocks of 8 columns at a time: a
- * block's sum is a chain of dependent multiply-adds, and one chain waits on the FMA latency at every
- * input (one head, one block at a time, as first written: a 2-agent x 16-row step's attention
- * 113 -> 69 us with 4 blocks, then -> ~40 us with heads paired and masked tails, bit for bit). */
+ * row stride key_stride), each read once for both heads, 4 blocks of 8 columns at a time. */
 static inline __attribute__((always_inline)) void head_scores(int nh, const float *const *q, const float *keys,
                                                               int64_t key_stride, int64_t count, int64_t dim,
                                                               const float *bias, float scale, float *const *scores) {
-    const __m256 vscale = _mm256_set1_ps(scale);
-    int64_t j = 0;
-    for (; j + 32 <= count; j += 32) score_blocks(nh, 4, 8, q, keys, key_stride, dim, bias, vscale, scores, j);
-    int64_t rest = count - j;
-    switch ((rest + 7) / 8) {
-        case 4: score_blocks(nh, 4, rest - 24, q, keys, key_stride, dim, bias, vscale, scores, j); break;
-        case 3: score_blocks(nh, 3, rest - 16, q, keys, key_stride, dim, bias, vscale, scores, j); break;
-        case 2: score_blocks(nh, 2, rest - 8, q, keys, key_stride, dim, bias, vscale, scores, j); break;
-        case 1: score_blocks(nh, 1, rest, q, keys, key_stride, dim, bias, vscale, scores, j); break;
-        default: break;
-    }
+    const float *biases[2] = {bias, bias};
+    tile_scores(nh, 4, q, keys, key_stride, count, dim, biases, _mm256_set1_ps(scale), scores);
 }
 
 /* Lane reductions and softmax passes over a row of n floats, 8 lanes at a time with a masked tail
@@ -470,55 +481,6 @@ static inline __attribute__((always_inline)) void head_values(int nh, const floa
             for (int64_t j = 0; j < count; j++) out[h][d] = fmaf(probs[h][j], values[j * dim + d], out[h][d]);
 }
 
-/* Scores of NQ queries (up to 4, each with its own bias row) against BLOCKS (up to 3) blocks of 8
- * key columns from column j, the last holding `left` columns: score_blocks' sums, for queries of
- * different rows that share the keys (a prompt's rows against its prefix). 12 sums in flight and
- * each key load serving 4 queries, where score_blocks' pair of heads keeps 8 and 2. */
-static inline __attribute__((always_inline)) void shared_score_tile(int nq, int blocks, int64_t left,
-                                                                    const float *const *q, const float *keys,
-                                                                    int64_t key_stride, int64_t dim,
-                                                                    const float *const *bias, __m256 scale,
-                                                                    float *const *scores, int64_t j) {
-    const __m256i mask = first_lanes(left);
-    __m256 acc[4][3];
-    for (int i = 0; i < nq; i++)
-        for (int b = 0; b < blocks; b++) acc[i][b] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; d++) {
-        const float *k = keys + d * key_stride + j;
-        __m256 column[3];
-        for (int b = 0; b < blocks; b++)
-            column[b] = b == blocks - 1 && left < 8 ? _mm256_maskload_ps(k + 8 * b, mask) : _mm256_loadu_ps(k + 8 * b);
-        for (int i = 0; i < nq; i++) {
-            const __m256 qd = _mm256_set1_ps(q[i][d]);
-            for (int b = 0; b < blocks; b++) acc[i][b] = _mm256_fmadd_ps(qd, column[b], acc[i][b]);
-        }
-    }
-    for (int b = 0; b < blocks; b++) {
-        const int tail = b == blocks - 1 && left < 8;
-        for (int i = 0; i < nq; i++) {
-            const float *add = bias[i] + j + 8 * b;
-            const __m256 score = _mm256_fmadd_ps(acc[i][b], scale, tail ? _mm256_maskload_ps(add, mask) : _mm256_loadu_ps(add));
-            if (tail) _mm256_maskstore_ps(scores[i] + j + 8 * b, mask, score);
-            else _mm256_storeu_ps(scores[i] + j + 8 * b, score);
-        }
-    }
-}
-
-/* shared_score_tile over all `count` columns for NQ queries: blocks of 3, then the last 1-3. */
-static inline __attribute__((always_inline)) void shared_scores(int nq, const float *const *q, const float *keys,
-                                                                int64_t count, int64_t dim, const float *const *bias,
-                                                                __m256 scale, float *const *scores) {
-    int64_t j = 0;
-    for (; j + 24 <= count; j += 24) shared_score_tile(nq, 3, 8, q, keys, count, dim, bias, scale, scores, j);
-    const int64_t rest = count - j;
-    switch ((rest + 7) / 8) {
-        case 3: shared_score_tile(nq, 3, rest - 16, q, keys, count, dim, bias, scale, scores, j); break;
-        case 2: shared_score_tile(nq, 2, rest - 8, q, keys, count, dim, bias, scale, scores, j); break;
-        case 1: shared_score_tile(nq, 1, rest, q, keys, count, dim, bias, scale, scores, j); break;
-        default: break;
-    }
-}
-
 /* out[i][d0 ..] = sum_j probs[i][j] * values[j * dim + d0 ..] (j < count, in order, from 0) for NQ
  * (up to 4) queries and BLOCKS (up to 3) blocks of 8 outputs: the prefix values' part of several
  * rows at once, each value row loaded once for all of them. */
@@ -563,12 +525,12 @@ static inline __attribute__((always_inline)) void shared_values(int nq, const fl
 static void shared_prefix_scores(int64_t n, const float *const *q, const float *keys, int64_t width, int64_t dim,
                           const float *const *bias, float scale, float *const *scores) {
     const __m256 vscale = _mm256_set1_ps(scale);
-    for (int64_t i = 0; i < n; i += 4)
+    for (int64_t i = 0; i < n; i += 4)  /* 4 queries x 3 blocks: 12 sums in flight */
         switch (n - i >= 4 ? 4 : n - i) {
-            case 4: shared_scores(4, q + i, keys, width, dim, bias + i, vscale, scores + i); break;
-            case 3: shared_scores(3, q + i, keys, width, dim, bias + i, vscale, scores + i); break;
-            case 2: shared_scores(2, q + i, keys, width, dim, bias + i, vscale, scores + i); break;
-            default: shared_scores(1, q + i, keys, width, dim, bias + i, vscale, scores + i); break;
+            case 4: tile_scores(4, 3, q + i, keys, width, width, dim, bias + i, vscale, scores + i); break;
+            case 3: tile_scores(3, 3, q + i, keys, width, width, dim, bias + i, vscale, scores + i); break;
+            case 2: tile_scores(2, 3, q + i, keys, width, width, dim, bias + i, vscale, scores + i); break;
+            default: tile_scores(1, 3, q + i, keys, width, width, dim, bias + i, vscale, scores + i); break;
         }
 }
 
@@ -1665,11 +1627,11 @@ int comlrl_decode_step(const StepPlan *plan, const int64_t *tokens, const float 
     float *w = plan->work;
     float *state = w;                                   w += rounded16(total * hidden);
     float *x = w;                                       w += rounded16(total * hidden);
-    float *o_out = w;                                   w += rounded16(total * hidden);
-    float *down_out = w;                                w += rounded16(total * hidden);
-    float *qkv_work = w;                                w += rounded16(total * qkv_n);
+    float *o = w;                                       w += rounded16(total * hidden);
+    float *down = w;                                    w += rounded16(total * hidden);
+    float *qkv = w;                                     w += rounded16(total * qkv_n);
     float *attended = w;                                w += rounded16(total * q_n);
-    float *gate_up_work = w;                            w += rounded16(total * 2 * inter);
+    float *gate_up = w;                                 w += rounded16(total * 2 * inter);
     float *act = w;                                     w += rounded16(total * inter);
     float *scratch = w;
     w += rounded16(comlrl_decode_attention_scratch_floats(rows, heads / kv_heads, plan->width, plan->max_new));
@@ -1679,9 +1641,7 @@ int comlrl_decode_step(const StepPlan *plan, const int64_t *tokens, const float 
     comlrl_residual_rms_norm(total, hidden, state, NULL, plan->first_eps, x);
     for (int64_t i = 0; i < plan->layers; i++) {
         const StepLayer *L = plan->layer + i;
-        const StepProjection *p;
-        float *qkv = qkv_work;
-        p = &L->qkv;
+        const StepProjection *p = &L->qkv;
         panel_product(agents, rows, qkv_n, hidden, x, rows * hidden, hidden, p->packed, p->packed_stride, p->bias,
                       p->bias_stride, qkv, rows * qkv_n, qkv_n, p->width, p->avx512, xt);
         comlrl_rotate_into_cache(total, heads, kv_heads, dim, qkv, qkv_n, rotation, L->keys, L->values,
@@ -1689,17 +1649,14 @@ int comlrl_decode_step(const StepPlan *plan, const int64_t *tokens, const float 
         comlrl_decode_attention(total, kv_heads, heads / kv_heads, dim, plan->group_size, qkv, qkv_n,
                                 L->prefix_keys, L->prefix_values, plan->width, L->keys, L->values, plan->max_new,
                                 step + 1, plan->attention_bias, plan->bias_stride, plan->scale, attended, scratch);
-        float *o = o_out;
         p = &L->o;
         panel_product(agents, rows, hidden, q_n, attended, rows * q_n, q_n, p->packed, p->packed_stride, p->bias,
                       p->bias_stride, o, rows * hidden, hidden, p->width, p->avx512, xt);
         comlrl_residual_rms_norm(total, hidden, state, o, L->eps, x);
-        float *gate_up = gate_up_work;
         p = &L->gate_up;
         panel_product(agents, rows, 2 * inter, hidden, x, rows * hidden, hidden, p->packed, p->packed_stride,
                       p->bias, p->bias_stride, gate_up, rows * 2 * inter, 2 * inter, p->width, p->avx512, xt);
         comlrl_silu_mul(total, inter, gate_up, act);
-        float *down = down_out;
         p = &L->down;
         panel_product(agents, rows, hidden, inter, act, rows * inter, inter, p->packed, p->packed_stride, p->bias,
                       p->bias_stride, down, rows * hidden, hidden, p->width, p->avx512, xt);

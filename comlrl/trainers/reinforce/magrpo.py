@@ -80,7 +80,7 @@ def _setup_objects_frozen():
     """Python's cyclic garbage collector leaves the objects alive when training starts alone until
     it is over (`gc.freeze`), unless `COMLRL_FREEZE_GC=0` or something froze objects already.
 
-    After loading transformers, models and datasets the process holds millions of tracked objects,
+    After loading transformers, models and datasets the process holds ~400,000 tracked objects,
     and the first full collection during training walks them all: 0.24-0.28 s at the L benchmark's
     shape (AVX2 EPYC), one pause inside the first update, for almost nothing collected. Frozen,
     they are skipped; objects made during training are collected as before, and `gc.unfreeze` hands
