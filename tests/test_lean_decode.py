@@ -202,7 +202,8 @@ def test_agents_above_the_fusion_size_decode_apart_and_sample_the_same(tiny_mode
     monkeypatch.setattr(rollout, "StackedLeanDecoder", lambda decoders: stacks.append(len(decoders)) or original(decoders))
     fused = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [None, None])
     assert stacks == [2]
-    monkeypatch.setattr(lean_module, "FUSE_MAX_PARAMETERS", sum(p.numel() for p in models[0].parameters()) - 1)
+    # On the CPU its own (lower) line decides.
+    monkeypatch.setattr(lean_module, "FUSE_MAX_PARAMETERS_CPU", sum(p.numel() for p in models[0].parameters()) - 1)
     apart = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [None, None])
     assert stacks == [2, 1, 1]
     for a, b in zip(fused, apart):

@@ -218,6 +218,33 @@ def test_sampling_records_what_the_update_recomputes(tiny_model_dir):
         s.recorded.release()
 
 
+def test_agents_decoding_apart_each_find_their_step_buffers_again(tiny_model_dir, monkeypatch):
+    """Agents above the fusion size decode one after the other, each into its own record, both
+    alive at once; once released, the next call's records reuse both sets of step buffers."""
+    monkeypatch.setattr(lean, "FUSE_MAX_PARAMETERS_CPU", 0)
+    monkeypatch.setattr(lean, "FUSE_MAX_PARAMETERS", 0)
+    models = [load_causal_lm(tiny_model_dir), _perturbed(load_causal_lm(tiny_model_dir), 3)]
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prompts = ["Two agents, apart.", "Hi"]
+    settings = SamplingSettings(num_generations=3, max_new_tokens=7, temperature=1.0, top_p=1.0, top_k=None)
+    keys = [[("apart", i, a) for i in range(len(prompts))] for a in range(2)]
+    recorded = lean.PROJECTIONS.index(lean.RECORDED_PROJECTIONS[0])
+
+    def buffers(samples):
+        assert all(s.recorded._owner.agents == 1 for s in samples)  # one record per agent: decoded apart
+        return {s.recorded.steps[0][recorded].untyped_storage().data_ptr() for s in samples}
+
+    first = sample_agents(models, [tokenizer] * 2, [prompts] * 2, settings, keys, [None, None], record_projections=True)
+    held = buffers(first)
+    assert len(held) == 2
+    for s in first:
+        s.recorded.release()
+    second = sample_agents(models, [tokenizer] * 2, [prompts] * 2, settings, keys, [None, None], record_projections=True)
+    assert buffers(second) == held
+    for s in second:
+        s.recorded.release()
+
+
 @pytest.mark.parametrize("train_batch_size", [2, 1])
 def test_the_update_reuses_records_until_the_first_optimizer_step(make_trainer, tmp_path, monkeypatch,
                                                                    train_batch_size):
