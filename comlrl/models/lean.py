@@ -469,14 +469,21 @@ class ProjectionRecord:
     def replayed(self, nodes: List[int], first_column: int, steps: int) -> List[Tuple[Optional["training_ops.Replayed"], ...]]:
         """Per layer, per projection, what `shared_prompt_logits` takes for `nodes`' prompts (from
         column `first_column`) and their completions' first `steps` tokens, in its token order:
-        every prompt's tokens, then every row's (rows prompt-major); None for a projection not
-        recorded. Each is gathered when the forward reaches it."""
-        return [tuple(None if prompt is None else
-                      training_ops.Replayed(functools.partial(self._gather, prompt, step, nodes, first_column, steps),
-                                            functools.partial(self._row_addresses, prompt, step, nodes, first_column,
-                                                              steps))
-                      for prompt, step in zip(prompt_parts, step_parts))
-                for prompt_parts, step_parts in zip(self.prompt, self.steps)]
+        every prompt's tokens, then every row's (rows prompt-major); for the last layer's
+        projections after its attention, only each prompt's last column of its tokens (see
+        `lm_head_rows`). None for a projection not recorded. Each is gathered when the forward
+        reaches it."""
+        last_layer = len(self.prompt) - 1
+
+        def part(layer: int, name: str, prompt: torch.Tensor, step: torch.Tensor) -> "training_ops.Replayed":
+            # Past the last layer's attention only each prompt's last column goes on (see `lm_head_rows`).
+            first = prompt.shape[1] - 1 if layer == last_layer and name != "qkv" else first_column
+            return training_ops.Replayed(functools.partial(self._gather, prompt, step, nodes, first, steps),
+                                         functools.partial(self._row_addresses, prompt, step, nodes, first, steps))
+
+        return [tuple(None if prompt is None else part(layer, name, prompt, step)
+                      for name, prompt, step in zip(PROJECTIONS, prompt_parts, step_parts))
+                for layer, (prompt_parts, step_parts) in enumerate(zip(self.prompt, self.steps))]
 
     def _row_addresses(self, prompt: torch.Tensor, step: torch.Tensor, nodes: List[int], first_column: int,
                        steps: int) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
@@ -616,7 +623,8 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
       matmul per layer (fused QKV and gate/up weights), not one per forward;
     * each prompt's keys and values are computed once and read by its K completions in a
       shared-prefix product, so nothing is repeated per sample, forward or backward;
-    * only the prompt's last position and the completion positions reach the LM head;
+    * only the prompt's last position and the completion positions go on past the last layer's
+      attention to its output projection and MLP, and to the LM head (`lm_head_rows`);
     * with `compute_dtype`, projections and attention products run in bf16 (each weight cast
       once per pass); norms, rotary embeddings, softmax and the residual stream stay in the
       model's dtype, as under autocast;
@@ -687,6 +695,8 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
                                                             attention_shape, scale)
         else:
             attended = _composed_attention(query_key, value, attention_shape, prompt_bias, completion_bias, scale, low)
+        if index == len(inner.layers) - 1:  # from here on only the rows the LM head reads
+            hidden, attended = lm_head_rows(hidden, prompts, width), lm_head_rows(attended, prompts, width)
         hidden = hidden + training_ops.linear(attended, [attn.o_proj.weight], _biases(attn.o_proj), low, known_o)
         # With gate/up and down both replayed, the forward reads no gate/up output: SwiGLU's
         # backward takes it from the record, so it is not kept from the forward pass.
@@ -699,11 +709,21 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
                                                      replayed_input=known_gate_up if defer else None)
 
     # The prompt's last position predicts each completion's first token; completion j predicts j + 1.
-    prompt_hidden, completion_hidden = hidden.split([prompt_tokens, rows * steps])
-    last = prompt_hidden.view(prompts, width, -1)[:, -1].repeat_interleave(k, dim=0)
+    last, completion_hidden = hidden.split([prompts, rows * steps])
+    last = last.repeat_interleave(k, dim=0)
     outputs = torch.cat([last.unsqueeze(1), completion_hidden.view(rows, steps, hidden.shape[-1])], dim=1)
     return training_ops.norm_linear(outputs, inner.norm.weight, _eps(inner.norm), [model.lm_head.weight],
                                     _biases(model.lm_head), low).float()
+
+
+def lm_head_rows(tokens: torch.Tensor, prompts: int, width: int) -> torch.Tensor:
+    """`shared_prompt_logits`' token rows (every prompt's `width` tokens, then the completions')
+    less the prompt tokens before each prompt's last. Past the last layer's attention those rows
+    lead only to logits for prompt tokens, which no loss reads (the completions need the prompt's
+    keys and values, computed before), so the last layer's output projection and MLP, forward and
+    backward, skip them: the prompt's ~50-100 tokens of a loss chunk's ~550-600."""
+    prompt_part, completion_part = tokens.split([prompts * width, tokens.shape[0] - prompts * width])
+    return torch.cat([prompt_part.view(prompts, width, -1)[:, -1].reshape(prompts, *tokens.shape[1:]), completion_part])
 
 
 class _FoldedLinear:
