@@ -290,7 +290,7 @@ def _decode(model, batches: List[_PromptBatch], settings: SamplingSettings, comp
         del leans[:]  # the stacked copies now hold what decoding needs
         prompts = batches[0].prompt_ids.shape[0]
         if record_projections and decoder.can_record and not use_cuda_graphs(device, max_new):
-            record = _StackedRecord(decoder, prompts * width, prompts * k, max_new)
+            record = _StackedRecord(decoder, prompts, width, prompts * k, max_new)
         logits, cache = decoder.prefill(torch.cat([s.prompt_ids for s in batches]),
                                         torch.cat([s.prompt_mask for s in batches]), k, max_new, record)
     else:

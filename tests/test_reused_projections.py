@@ -317,7 +317,7 @@ def _stacked_decode(models, prompt_ids, prompt_mask, completions, k, whole_step:
         assert decoder.can_record and decoder.whole_step_kernel
         decoder.whole_step_kernel = whole_step
         count, (prompts, width), steps = len(models), prompt_ids.shape, completions.shape[1]
-        record = _StackedRecord(decoder, prompts * width, prompts * k, steps, projections=lean.PROJECTIONS)
+        record = _StackedRecord(decoder, prompts, width, prompts * k, steps, projections=lean.PROJECTIONS)
         _, cache = decoder.prefill(prompt_ids.repeat(count, 1), prompt_mask.repeat(count, 1), k, steps, record)
         rows_mask = torch.cat([prompt_mask.repeat_interleave(k, dim=0), torch.ones(prompts * k, steps, dtype=torch.long)], 1)
         bias = decoder.attention_bias(rows_mask.repeat(count, 1))

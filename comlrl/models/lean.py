@@ -243,12 +243,17 @@ class StackedLeanDecoder:
             prefix_keys.append(key)
             prefix_values.append(value)
             attended = _prompt_attention(query.reshape(total_prompts, width, kv, group, dim), key, value, bias, scale, att)
-            x = self._add_normalize(hidden, layer.o(attended.reshape(self.count, prompts * width, self.q_size).to(low),
+            columns = width
+            if index == len(self.layers) - 1:
+                # Past the last layer's attention only each prompt's last position leads anywhere:
+                # to the LM head, and (recorded) to the loss's replay, which runs the same rows.
+                columns, attended = 1, attended[:, -1:]
+                hidden = hidden.view(self.count, prompts, width, -1)[:, :, -1].contiguous()
+            x = self._add_normalize(hidden, layer.o(attended.reshape(self.count, prompts * columns, self.q_size).to(low),
                                                     outs[1]), layer.eps)
             x = self._add_normalize(hidden, layer.down(self._swiglu(layer.gate_up(_cast(x, low), outs[2])), outs[3]),
                                     next_eps)
-        last = x.view(self.count, prompts, width, -1)[:, :, -1]  # (agents, prompts, hidden), final-normed
-        logits = self.lm_head(_cast(last, low).contiguous()).view(total_prompts, -1)
+        logits = self.lm_head(_cast(x, low).contiguous()).view(total_prompts, -1)  # x: (agents, prompts, hidden), final-normed
         return logits, self._cache(prefix_keys, prefix_values, group_size, max_new_tokens)
 
     def attention_bias(self, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -457,7 +462,9 @@ class ProjectionRecord:
     holds them rotated, prompt and steps alike, and the replayed rotary only rotates gradients.
 
     `prompt`: per layer, per projection (`PROJECTIONS`) its (prompts, width, features) outputs for
-    the prompts as the sampling call padded them, or None where not recorded; `steps`: the same,
+    the prompts as the sampling call padded them (the last layer's projections after its attention:
+    (prompts, 1, features), each prompt's last column, see `lm_head_rows`), or None where not
+    recorded; `steps`: the same,
     (max_new, rows, features), step t holding completion token t's (rows prompt-major,
     `group_size` per prompt; steps a row ran after its EOS hold its padding's)."""
 
@@ -521,22 +528,30 @@ class ProjectionRecord:
 class _StackedRecord:
     """The ProjectionRecords of a StackedLeanDecoder's agents while it decodes: per layer, per
     projection (`PROJECTIONS`; None where not in `projections`), `prompt` holds the
-    prefill's (agents, prompts * width, features) outputs and `steps` the steps' (max_new, agents,
-    rows, features), step t's slice contiguous for the panel kernel to write into."""
+    prefill's (agents, prompts * width, features) outputs (for the last layer's projections after
+    its attention, (agents, prompts, features): each prompt's last column, all the prefill runs
+    there) and `steps` the steps' (max_new, agents, rows, features), step t's slice contiguous for
+    the panel kernel to write into."""
 
     # Step buffers of released records, by shape. A list per shape: agents that decode apart hold
     # one record each at once, and each should find its buffers again in the next sampling call.
     _spare_steps: Dict[tuple, List[list]] = {}
     _lock = threading.Lock()
 
-    def __init__(self, decoder: "StackedLeanDecoder", prompt_tokens: int, rows: int, max_new_tokens: int,
+    def __init__(self, decoder: "StackedLeanDecoder", prompts: int, width: int, rows: int, max_new_tokens: int,
                  projections: Sequence[str] = RECORDED_PROJECTIONS):
         layer = decoder.layers[0]
         features = [p.panels.out_features if name in projections else None
                     for name, p in zip(PROJECTIONS, (layer.qkv, layer.o, layer.gate_up, layer.down))]
         agents = self.agents = decoder.count
-        self.prompt = [tuple(None if n is None else torch.empty(agents, prompt_tokens, n) for n in features)
-                       for _ in decoder.layers]
+        last = len(decoder.layers) - 1
+
+        def columns(index: int, name: str) -> int:  # the prefill runs the last layer past attention on one
+            return 1 if index == last and name != "qkv" else width
+
+        self.prompt = [tuple(None if n is None else torch.empty(agents, prompts * columns(index, name), n)
+                             for name, n in zip(PROJECTIONS, features))
+                       for index in range(len(decoder.layers))]
         self._key = (agents, rows, max_new_tokens, len(decoder.layers), tuple(features))
         with self._lock:
             spares = self._spare_steps.get(self._key)
