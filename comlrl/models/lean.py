@@ -591,7 +591,8 @@ def fuse_decoding(model) -> bool:
     by reading the weights (copying one Qwen2.5-0.5B-shaped agent's weights took ~0.8 s per sampling
     call on the CPU). On the CPU the line is lower (`FUSE_MAX_PARAMETERS_CPU`): on a 2-core Zen 3
     with 32 MB of shared L3, two medium tiny agents (2.4 M parameters each, 16 rows per agent)
-    decoded apart took 7-13% less time per step than stacked, two small ones (0.1 M) 10-20% more."""
+    decoded apart took 7-13% less time per step than stacked; two small ones (0.1 M) took ~30%
+    more per sampling call, bound by per-call costs."""
     parameters = list(model.parameters())
     limit = FUSE_MAX_PARAMETERS_CPU if parameters and parameters[0].device.type == "cpu" else FUSE_MAX_PARAMETERS
     return sum(p.numel() for p in parameters) <= limit
