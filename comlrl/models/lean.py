@@ -443,6 +443,13 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 RECORDED_PROJECTIONS = PROJECTIONS
 
 
+def last_column_only(layer: int, layers: int, projection: str) -> bool:
+    """Whether a record holds, and a replay reads, only each prompt's last column of `projection`
+    (a name in `PROJECTIONS`) in layer `layer` of `layers`: the last layer's projections after its
+    attention, which the prefill and the loss forward run on those rows alone (`lm_head_rows`)."""
+    return layer == layers - 1 and projection != "qkv"
+
+
 class ProjectionRecord:
     """One agent's layer projections as a sampling call computed them, for the policy-gradient pass
     right after it to reuse instead of multiplying again (`shared_prompt_logits`' `replayed`).
@@ -480,11 +487,8 @@ class ProjectionRecord:
         projections after its attention, only each prompt's last column of its tokens (see
         `lm_head_rows`). None for a projection not recorded. Each is gathered when the forward
         reaches it."""
-        last_layer = len(self.prompt) - 1
-
         def part(layer: int, name: str, prompt: torch.Tensor, step: torch.Tensor) -> "training_ops.Replayed":
-            # Past the last layer's attention only each prompt's last column goes on (see `lm_head_rows`).
-            first = prompt.shape[1] - 1 if layer == last_layer and name != "qkv" else first_column
+            first = 0 if last_column_only(layer, len(self.prompt), name) else first_column
             return training_ops.Replayed(functools.partial(self._gather, prompt, step, nodes, first, steps),
                                          functools.partial(self._row_addresses, prompt, step, nodes, first, steps))
 
@@ -544,14 +548,11 @@ class _StackedRecord:
         features = [p.panels.out_features if name in projections else None
                     for name, p in zip(PROJECTIONS, (layer.qkv, layer.o, layer.gate_up, layer.down))]
         agents = self.agents = decoder.count
-        last = len(decoder.layers) - 1
-
-        def columns(index: int, name: str) -> int:  # the prefill runs the last layer past attention on one
-            return 1 if index == last and name != "qkv" else width
-
-        self.prompt = [tuple(None if n is None else torch.empty(agents, prompts * columns(index, name), n)
+        layers = len(decoder.layers)
+        self.prompt = [tuple(None if n is None else
+                             torch.empty(agents, prompts * (1 if last_column_only(index, layers, name) else width), n)
                              for name, n in zip(PROJECTIONS, features))
-                       for index in range(len(decoder.layers))]
+                       for index in range(layers)]
         self._key = (agents, rows, max_new_tokens, len(decoder.layers), tuple(features))
         with self._lock:
             spares = self._spare_steps.get(self._key)
