@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from comlrl.losses import bucketed_width, completion_mask
+from comlrl.losses import bucketed_width, completion_mask, width_buckets
 from comlrl.models import decode_kernels
 from comlrl.models.lean import cache_argument as lean_cache_argument
 from comlrl.models.lean import (ProjectionRecord, StackedLeanDecoder, _StackedRecord, fuse_decoding, fusion_signature,
@@ -144,7 +144,7 @@ class _PromptBatch:
     pad_id: int
 
 
-def _encode_prompts(tokenizer, prompts: Sequence[str], pad_id: int, coarse: bool):
+def _encode_prompts(tokenizer, prompts: Sequence[str], pad_id: int, buckets: str):
     """Left-padded (ids, mask) on a bucketed width (see `bucketed_width`)."""
     previous_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -153,7 +153,7 @@ def _encode_prompts(tokenizer, prompts: Sequence[str], pad_id: int, coarse: bool
     finally:
         tokenizer.padding_side = previous_side
     natural = enc["input_ids"].shape[1]
-    extra = bucketed_width(natural, 2 * natural, coarse=coarse) - natural
+    extra = bucketed_width(natural, 2 * natural, buckets) - natural
     return F.pad(enc["input_ids"], (extra, 0), value=pad_id), F.pad(enc["attention_mask"], (extra, 0), value=0)
 
 
@@ -254,9 +254,9 @@ def _sample_group(models, tokenizers, prompts, settings: SamplingSettings, keys,
         empty = torch.zeros(0, 0, dtype=torch.long, device=device)
         return [AgentSamples([], empty, empty, empty, empty.bool(), [])]
     max_new = settings.max_new_tokens
-    coarse = device.type == "cpu"
+    buckets = width_buckets(device, compute_dtype or next(models[0].parameters()).dtype)
     eos_ids, pad_ids = zip(*[_stop_ids(t, m) for t, m in zip(tokenizers, models)])
-    encoded = [_encode_prompts(t, p, pad, coarse) for t, p, pad in zip(tokenizers, prompts, pad_ids)]
+    encoded = [_encode_prompts(t, p, pad, buckets) for t, p, pad in zip(tokenizers, prompts, pad_ids)]
     width = max(ids.shape[1] for ids, _ in encoded)  # fused agents share one (bucketed) width
     encoded = [(F.pad(ids, (width - ids.shape[1], 0), value=pad), F.pad(mask, (width - mask.shape[1], 0), value=0))
                for (ids, mask), pad in zip(encoded, pad_ids)]

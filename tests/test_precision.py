@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from comlrl.data import story_prompts
-from comlrl.losses import bucketed_width
+from comlrl.losses import WIDTH_BUCKETS, bucketed_width, width_buckets
+from comlrl.models import onednn
 from comlrl.models import load_causal_lm, load_tokenizer
 from comlrl.precision import compute_dtype, training_attention
 from comlrl.rewards import length_ratio_reward
@@ -54,11 +55,26 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_that_fp32_is_faster(monkeypatch
 
 def test_bucketed_widths():
     assert [bucketed_width(w, 10_000) for w in (1, 8, 9, 63, 64, 65)] == [8, 8, 16, 64, 64, 72]
-    coarse = [bucketed_width(w, 10_000, coarse=True) for w in (1, 8, 9, 12, 13, 17, 25, 33, 49, 63, 65, 97)]
+    coarse = [bucketed_width(w, 10_000, "coarse") for w in (1, 8, 9, 12, 13, 17, 25, 33, 49, 63, 65, 97)]
     assert coarse == [8, 8, 12, 12, 16, 24, 32, 48, 64, 64, 96, 128]
-    assert bucketed_width(70, 66, coarse=True) == 66  # never past the data
+    assert [bucketed_width(w, 10_000, "exact") for w in (1, 9, 37, 65)] == [1, 9, 37, 65]
+    for buckets in WIDTH_BUCKETS:
+        assert bucketed_width(70, 66, buckets) == 66  # never past the data
     for width in range(1, 600):  # a bucket holds the width, at most half again as wide (or 8)
-        assert width <= bucketed_width(width, 10_000, coarse=True) <= max(8, width * 3 // 2)
+        assert width <= bucketed_width(width, 10_000, "coarse") <= max(8, width * 3 // 2)
+    with pytest.raises(ValueError, match="buckets must be one of"):
+        bucketed_width(10, 100, "wide")
+
+
+def test_width_buckets_pad_only_where_products_cache_kernels_per_shape(monkeypatch):
+    assert width_buckets(torch.device("cuda"), torch.float32) == "fine"
+    for through_onednn, expected in ((True, "coarse"), (False, "exact")):
+        monkeypatch.setattr(onednn, "FP32_THROUGH_ONEDNN", through_onednn)
+        assert width_buckets(CPU, torch.float32) == expected
+    monkeypatch.setattr(onednn, "AVAILABLE", True)
+    assert width_buckets(CPU, torch.bfloat16) == "coarse"
+    monkeypatch.setattr(onednn, "AVAILABLE", False)
+    assert width_buckets(CPU, torch.bfloat16) == "exact"
 
 
 def test_training_attention_switches_only_for_cpu_bf16_and_restores(tiny_model_dir):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-from comlrl.losses import bucketed_width, completion_mask, shared_prompt_token_logprobs
+from comlrl.losses import bucketed_width, completion_mask, shared_prompt_token_logprobs, width_buckets
 from comlrl.models import decode_kernels, lean, load_causal_lm, load_tokenizer, training_ops
 from comlrl.models.lean import StackedLeanDecoder, lean_decoder_for, shared_prompt_logits
 from comlrl.models.lean import _StackedRecord
@@ -190,8 +190,9 @@ def test_sampling_records_what_the_update_recomputes(tiny_model_dir):
             rows = torch.tensor([n * k + j for n in nodes for j in range(k)])
             prompt_mask = s.prompt_mask[nodes]
             columns = prompt_mask.shape[1]
-            first = columns - bucketed_width(columns - int(prompt_mask.any(dim=0).nonzero()[0]), columns, True)
-            width = bucketed_width(int(s.completion_mask[rows].sum(dim=1).max()), s.completion_mask.shape[1], True)
+            buckets = width_buckets(torch.device("cpu"), torch.float32)  # as the trainer picks them
+            first = columns - bucketed_width(columns - int(prompt_mask.any(dim=0).nonzero()[0]), columns, buckets)
+            width = bucketed_width(int(s.completion_mask[rows].sum(dim=1).max()), s.completion_mask.shape[1], buckets)
             args = (model, s.prompt_ids[nodes, first:], prompt_mask[:, first:], s.completion_ids[rows, :width],
                     s.completion_mask[rows, :width], k)
             expected, expected_grads = _logprobs_and_grads(*args)

@@ -44,6 +44,7 @@ from comlrl.losses import (
     group_advantages,
     policy_gradient_loss,
     shared_prompt_token_logprobs,
+    width_buckets,
 )
 from comlrl.rollout import (
     JOINT_MODES,
@@ -655,7 +656,7 @@ class MAGRPOTrainer:
         trained_tokens = float(mask.sum())
         prompt_width = int(samples.prompt_mask[nodes].any(dim=0).sum())
         budget = a.max_forward_tokens or (1024 if device.type == "cpu" else 65536)
-        coarse_widths = device.type == "cpu"
+        buckets = width_buckets(device, dtype or next(agent.parameters()).dtype)
         nodes_per_chunk = max(1, budget // (prompt_width + k * int(mask.sum(dim=1).max())))
         total = 0.0
         for start in range(0, len(nodes_local), nodes_per_chunk):
@@ -666,9 +667,9 @@ class MAGRPOTrainer:
             # completions: the mask is a prefix), keeping widths on a few bucketed shapes.
             prompt_columns = prompt_mask.shape[1]
             first_column = prompt_columns - bucketed_width(
-                prompt_columns - int(prompt_mask.any(dim=0).nonzero()[0]), prompt_columns, coarse_widths)
+                prompt_columns - int(prompt_mask.any(dim=0).nonzero()[0]), prompt_columns, buckets)
             chunk_mask = mask[chunk]
-            width = bucketed_width(int(chunk_mask.sum(dim=1).max()), chunk_mask.shape[1], coarse_widths)
+            width = bucketed_width(int(chunk_mask.sum(dim=1).max()), chunk_mask.shape[1], buckets)
             replayed = None if record is None else record.replayed(nodes_local[start:start + nodes_per_chunk],
                                                                    first_column, width - 1)
             logprobs = shared_prompt_token_logprobs(agent, prompt_ids[:, first_column:], prompt_mask[:, first_column:],
