@@ -236,8 +236,11 @@ def sample_completions(model, tokenizer, prompts: Sequence[str], settings: Sampl
     """Sample K completions for every prompt in one batched decode (left padding, KV cache).
 
     Row r = (prompt b, sample k) draws its tokens from uniforms seeded by ``(keys[b], k)``, so the
-    completions are a pure function of the weights, the prompts and their keys: the same whether
-    a prompt is sampled alone, in a bigger batch, on another data-parallel rank, or after a resume.
+    completions are a function of the weights, the prompts and their keys: after a resume the same
+    bit for bit, and whether a prompt is sampled alone, in a bigger batch or on another
+    data-parallel rank, the same to float rounding (a batch pads its prompts to a common width,
+    `losses.width_buckets`, and attention sums over padded columns round by where a prompt's
+    columns start; a token can change only where its draw lies within that rounding of a bound).
     Sampling follows `generate`'s semantics: temperature -> top-k -> top-p, stop at EOS, pad after.
     With `compute_dtype` (mixed precision) the model's products run in that dtype (autocast).
     """

@@ -69,11 +69,15 @@ def test_ranks_end_with_identical_weights(two_process_run):
 
 
 def test_two_processes_train_like_one(tiny_model_dir, two_process_run, tmp_path):
-    """The same run in one process. Samples do not depend on batching (each is drawn from its own
-    keyed stream), so both see the same rollouts; the minibatches are the same global ones. What
-    remains is float reduction order: one padded forward over all rows vs two half-size forwards
-    whose gradients are summed. Tolerance: weights within 1e-5 (the run moves them by > 100x that),
-    logged rewards equal to 1e-9."""
+    """The same run in one process. Samples are drawn from keyed streams, so both see the same
+    rollouts; the minibatches are the same global ones. What remains is float rounding: one padded
+    forward over all rows vs two half-size forwards whose gradients are summed, and prompts padded
+    to each process's own longest (widths are exact on this CPU, `losses.width_buckets`), so the
+    attention sums over differently aligned columns. AdamW turns rounding-level gradient
+    differences into larger weight differences where a gradient is near zero (its step is the
+    ratio of two moments): measured 1.9e-7 with both padded to one width, 1.7e-5 with exact
+    widths. Tolerance: weights within 1e-4 (the run moves them by > 10x that), logged rewards
+    equal to 1e-9."""
     single = subprocess.run([sys.executable, str(SCRIPTS / "dp_run.py"), tiny_model_dir, str(tmp_path), "3"],
                             capture_output=True, text=True, env=os.environ.copy(), timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
@@ -85,7 +89,7 @@ def test_two_processes_train_like_one(tiny_model_dir, two_process_run, tmp_path)
         moved = max((one[i][n] - initial[n].detach()).abs().max().item() for n in one[i] if n in initial)
         diff = max((one[i][n] - two[i][n]).abs().max().item() for n in one[i])
         assert moved > 1e-3, moved
-        assert diff <= 1e-5, f"agent {i}: max |one process - two processes| = {diff}"
+        assert diff <= 1e-4, f"agent {i}: max |one process - two processes| = {diff}"
     for a, b in zip(rows(tmp_path), rows(two_process_run)):
         assert a["env_step"] == b["env_step"]
         assert a["turn_1/reward_mean"] == pytest.approx(b["turn_1/reward_mean"], abs=1e-9)
