@@ -159,6 +159,34 @@ def test_swiglu_backward_reads_the_recorded_gate_up_rows_in_place(monkeypatch):
     assert all(torch.equal(got, want) for got, want in zip(grads, expected_grads))
 
 
+def test_the_loss_takes_the_logits_sampling_drew_from():
+    """Where the LM head runs on the panel kernel, a replayed forward's logits are the sampling
+    pass's own, bit for bit: each prompt's last position's from the prefill, completion token t's
+    from decode step t (the logits its next token was drawn from)."""
+    models = _two_agents("qwen2-gqa")
+    k, steps = 2, 5
+    torch.manual_seed(3)
+    prompt_ids = torch.randint(6, 97, (2, 6))
+    prompt_mask = torch.ones(2, 6, dtype=torch.long)
+    prompt_mask[1, :2] = 0
+    completions = torch.randint(6, 97, (2 * k, steps))
+    step_logits, _, stacked = _stacked_decode(models, prompt_ids, prompt_mask, completions, k, steps_run=steps - 1)
+    rows = 2 * k
+    for agent, (model, record) in enumerate(zip(models, stacked.split(2, k))):
+        replayed = record.replayed([0, 1], 0, steps - 1)
+        assert len(replayed) == len(model.model.layers) + 1  # the layers', then the LM head's
+        with torch.no_grad():
+            logits = shared_prompt_logits(model, prompt_ids, prompt_mask, completions, k, replayed=replayed)
+        decoded = torch.stack([step.view(2, rows, -1)[agent] for step in step_logits], dim=1)
+        assert torch.equal(logits[:, 1:], decoded)
+        assert torch.equal(logits[:, 0], stacked.logits_prompt[agent].repeat_interleave(k, dim=0))
+        # Recomputed, the LM head's product sums in another order: the same to rounding, not bitwise.
+        with torch.no_grad():
+            recomputed = shared_prompt_logits(model, prompt_ids, prompt_mask, completions, k)
+        torch.testing.assert_close(recomputed, logits, rtol=1e-4, atol=1e-4)
+        assert not torch.equal(recomputed, logits)
+
+
 def test_replayed_outputs_are_taken_once():
     model = tiny(Qwen2Config)
     prompt_ids, prompt_mask = torch.randint(6, 97, (1, 4)), torch.ones(1, 4, dtype=torch.long)

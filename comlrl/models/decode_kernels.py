@@ -732,16 +732,23 @@ class DecodeStepPlan:
         self._plan_pointer = ctypes.byref(self._plan)
         self._step = lib.comlrl_decode_step
 
-    def __call__(self, tokens: torch.Tensor, rotation: torch.Tensor, step: int) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, rotation: torch.Tensor, step: int,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits (agents * rows, vocab) for `tokens` (agents * rows,) int64 at decode step `step`
-        (`rotation`: its (rows, 1, head_dim / 2) complex64 slice of the rotary table)."""
+        (`rotation`: its (rows, 1, head_dim / 2) complex64 slice of the rotary table), written into
+        `out` (contiguous fp32, agents * rows * vocab elements; a record's slice) when given."""
         if tokens.shape != (self.total,) or tokens.dtype != torch.int64 or not 0 <= step < self.max_new:
             raise ValueError(f"DecodeStepPlan: want {self.total} int64 tokens and a step below {self.max_new}")
         tokens = tokens.contiguous()
         rotation = torch.view_as_real(rotation.contiguous())
         if rotation.dtype != torch.float32 or rotation.numel() != self.total * self._plan.dim:
             raise ValueError("DecodeStepPlan: want a complex64 rotation of head_dim / 2 pairs per row")
-        logits = torch.empty(self.total, self.vocab, dtype=torch.float32)
+        if out is None:
+            logits = torch.empty(self.total, self.vocab, dtype=torch.float32)
+        elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != self.total * self.vocab:
+            raise ValueError(f"DecodeStepPlan: `out` must be contiguous fp32 with {self.total} x {self.vocab} elements")
+        else:
+            logits = out.view(self.total, self.vocab)
         if self._step(self._plan_pointer, tokens.data_ptr(), rotation.data_ptr(), step, logits.data_ptr()):
             raise ValueError(f"decode step: a token id outside the vocabulary (0..{self.vocab - 1}): {tokens.tolist()}")
         return logits

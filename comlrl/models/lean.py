@@ -253,7 +253,8 @@ class StackedLeanDecoder:
                                                     outs[1]), layer.eps)
             x = self._add_normalize(hidden, layer.down(self._swiglu(layer.gate_up(_cast(x, low), outs[2])), outs[3]),
                                     next_eps)
-        logits = self.lm_head(_cast(x, low).contiguous()).view(total_prompts, -1)  # x: (agents, prompts, hidden), final-normed
+        logits = self.lm_head(_cast(x, low).contiguous(),  # x: (agents, prompts, hidden), final-normed
+                              None if record is None else record.logits_prompt).view(total_prompts, -1)
         return logits, self._cache(prefix_keys, prefix_values, group_size, max_new_tokens)
 
     def attention_bias(self, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -304,8 +305,9 @@ class StackedLeanDecoder:
         total = tokens.shape[0]
         rows = total // self.count
         fixed_shape = torch.is_tensor(steps_done)
+        logits_out = None if record is None else record.step_logits(steps_done)
         if self.whole_step_kernel and not fixed_shape:
-            return self._step_plan(cache, attention_bias, rows, record)(tokens, rotation, steps_done)
+            return self._step_plan(cache, attention_bias, rows, record)(tokens, rotation, steps_done, logits_out)
         width = cache.prefix_keys[0].shape[-1]
         hidden = F.embedding(tokens + self._offsets(total), self.embed).view(self.count, rows, -1)  # (A, rows, hidden)
         columns = cache.keys[0].shape[-1] if fixed_shape else steps_done + 1  # generated columns attended
@@ -341,7 +343,7 @@ class StackedLeanDecoder:
                                     layer.eps)
             x = self._add_normalize(hidden, layer.down(self._swiglu(layer.gate_up(_cast(x, low), outs[2])), outs[3]),
                                     next_eps)
-        return self.lm_head(_cast(x, low)).view(total, -1)
+        return self.lm_head(_cast(x, low), logits_out).view(total, -1)
 
     def _step_plan(self, cache: "_DecodeCache", attention_bias: torch.Tensor, rows: int,
                    record: Optional["_StackedRecord"]) -> decode_kernels.DecodeStepPlan:
@@ -473,11 +475,15 @@ class ProjectionRecord:
     (prompts, 1, features), each prompt's last column, see `lm_head_rows`), or None where not
     recorded; `steps`: the same,
     (max_new, rows, features), step t holding completion token t's (rows prompt-major,
-    `group_size` per prompt; steps a row ran after its EOS hold its padding's)."""
+    `group_size` per prompt; steps a row ran after its EOS hold its padding's). `logits`, where the
+    LM head ran on the panel kernel: (the prefill's (prompts, vocab), the steps' (max_new, rows,
+    vocab)), the logits sampling drew each token from, which are the loss's logits: the LM head's
+    product need not run again either (one (rows, 256) x (256, 257) product per L loss chunk)."""
 
     def __init__(self, prompt: List[Tuple[Optional[torch.Tensor], ...]], steps: List[Tuple[Optional[torch.Tensor], ...]],
-                 group_size: int, owner: Optional["_StackedRecord"] = None):
-        self.prompt, self.steps, self.group_size = prompt, steps, group_size
+                 group_size: int, owner: Optional["_StackedRecord"] = None,
+                 logits: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
+        self.prompt, self.steps, self.group_size, self.logits = prompt, steps, group_size, logits
         self._owner = owner
 
     def replayed(self, nodes: List[int], first_column: int, steps: int) -> List[Tuple[Optional["training_ops.Replayed"], ...]]:
@@ -485,16 +491,30 @@ class ProjectionRecord:
         column `first_column`) and their completions' first `steps` tokens, in its token order:
         every prompt's tokens, then every row's (rows prompt-major); for the last layer's
         projections after its attention, only each prompt's last column of its tokens (see
-        `lm_head_rows`). None for a projection not recorded. Each is gathered when the forward
-        reaches it."""
+        `lm_head_rows`). None for a projection not recorded. Where the logits were recorded, one
+        more entry after the layers: (the LM head's outputs,), in the order `shared_prompt_logits`
+        feeds it, row by row its prompt's last position, then its first `steps` tokens. Each is
+        gathered when the forward reaches it."""
         def part(layer: int, name: str, prompt: torch.Tensor, step: torch.Tensor) -> "training_ops.Replayed":
             first = 0 if last_column_only(layer, len(self.prompt), name) else first_column
             return training_ops.Replayed(functools.partial(self._gather, prompt, step, nodes, first, steps),
                                          functools.partial(self._row_addresses, prompt, step, nodes, first, steps))
 
-        return [tuple(None if prompt is None else part(layer, name, prompt, step)
-                      for name, prompt, step in zip(PROJECTIONS, prompt_parts, step_parts))
-                for layer, (prompt_parts, step_parts) in enumerate(zip(self.prompt, self.steps))]
+        layers = [tuple(None if prompt is None else part(layer, name, prompt, step)
+                        for name, prompt, step in zip(PROJECTIONS, prompt_parts, step_parts))
+                  for layer, (prompt_parts, step_parts) in enumerate(zip(self.prompt, self.steps))]
+        if self.logits is not None:
+            layers.append((training_ops.Replayed(functools.partial(self._gather_logits, nodes, steps)),))
+        return layers
+
+    def _gather_logits(self, nodes: List[int], steps: int) -> torch.Tensor:
+        prompt, step = self.logits
+        k, vocab = self.group_size, prompt.shape[-1]
+        joined = prompt.new_empty(len(nodes), k, steps + 1, vocab)
+        for i, node in enumerate(nodes):  # the prompt's last position serves its K rows
+            joined[i, :, 0] = prompt[node]
+            joined[i, :, 1:].copy_(step[:steps, node * k:(node + 1) * k].transpose(0, 1))
+        return joined.view(-1, vocab)
 
     def _row_addresses(self, prompt: torch.Tensor, step: torch.Tensor, nodes: List[int], first_column: int,
                        steps: int) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
@@ -525,6 +545,7 @@ class ProjectionRecord:
         fault per 4 KB on first write, ~6 ms per S-medium sampling call). Do not read it after."""
         owner, self._owner = self._owner, None
         self.prompt = self.steps = []
+        self.logits = None
         if owner is not None:
             owner.released()
 
@@ -553,27 +574,37 @@ class _StackedRecord:
                              torch.empty(agents, prompts * (1 if last_column_only(index, layers, name) else width), n)
                              for name, n in zip(PROJECTIONS, features))
                        for index in range(layers)]
-        self._key = (agents, rows, max_new_tokens, len(decoder.layers), tuple(features))
+        # The LM head's logits too, where it runs on the panel kernel: the prefill's (agents, prompts,
+        # vocab) and the steps' (max_new, agents, rows, vocab), which the steps write and sample from.
+        vocab = None if decoder.lm_head.panels is None else decoder.lm_head.panels.out_features
+        self.logits_prompt = None if vocab is None else torch.empty(agents, prompts, vocab)
+        self._key = (agents, rows, max_new_tokens, len(decoder.layers), tuple(features), vocab)
         with self._lock:
             spares = self._spare_steps.get(self._key)
-            self.steps = spares.pop() if spares else None
+            self.steps, self.logits_steps = spares.pop() if spares else (None, None)
         if self.steps is None:
             self.steps = [tuple(None if n is None else torch.empty(max_new_tokens, agents, rows, n) for n in features)
                           for _ in decoder.layers]
+            self.logits_steps = None if vocab is None else torch.empty(max_new_tokens, agents, rows, vocab)
         self._unreleased = agents
 
     def split(self, prompts: int, group_size: int) -> List[ProjectionRecord]:
         """One ProjectionRecord per agent (views)."""
         return [ProjectionRecord(
             [tuple(None if t is None else t[a].view(prompts, -1, t.shape[-1]) for t in layer) for layer in self.prompt],
-            [tuple(None if t is None else t[:, a] for t in layer) for layer in self.steps], group_size, self)
+            [tuple(None if t is None else t[:, a] for t in layer) for layer in self.steps], group_size, self,
+            None if self.logits_prompt is None else (self.logits_prompt[a], self.logits_steps[:, a]))
             for a in range(self.agents)]
+
+    def step_logits(self, step: int) -> Optional[torch.Tensor]:
+        """Where decode step `step` writes its logits, (agents, rows, vocab); None if not recorded."""
+        return None if self.logits_steps is None else self.logits_steps[step]
 
     def released(self) -> None:
         with self._lock:
             self._unreleased -= 1
             if self._unreleased == 0:  # kept for the next record of this shape (a run samples with one)
-                self._spare_steps.setdefault(self._key, []).append(self.steps)
+                self._spare_steps.setdefault(self._key, []).append((self.steps, self.logits_steps))
 
 
 #: Agents with more parameters than this decode one by one instead of as one stacked batch.
@@ -651,7 +682,8 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
       softmax backward are C passes over the scores in place (`training_ops.shared_prefix_attention`;
       elsewhere `_composed_attention`, the same products from torch ops);
     * with `replayed` (`ProjectionRecord.replayed` for these tokens, made with these parameters),
-      the layers' projections are not multiplied again but taken from the sampling pass.
+      the layers' projections, and where recorded the LM head's logits, are not multiplied again
+      but taken from the sampling pass.
     """
     if (not supports_lean_path(model) or prompt_ids.device.type != "cpu"
             or (model.training and getattr(model.config, "attention_dropout", 0.0))):
@@ -729,8 +761,9 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     last, completion_hidden = hidden.split([prompts, rows * steps])
     last = last.repeat_interleave(k, dim=0)
     outputs = torch.cat([last.unsqueeze(1), completion_hidden.view(rows, steps, hidden.shape[-1])], dim=1)
+    known_logits = replayed[len(inner.layers)][0] if replayed is not None and len(replayed) > len(inner.layers) else None
     return training_ops.norm_linear(outputs, inner.norm.weight, _eps(inner.norm), [model.lm_head.weight],
-                                    _biases(model.lm_head), low).float()
+                                    _biases(model.lm_head), low, known_logits).float()
 
 
 def lm_head_rows(tokens: torch.Tensor, prompts: int, width: int) -> torch.Tensor:
