@@ -225,6 +225,29 @@ def test_decode_attention_matches_a_plain_softmax_attention(heads, kv_heads, dim
 
 
 @needs_kernel
+@pytest.mark.parametrize("padding", [7, 8, 13, 33])
+def test_decode_attention_skips_whole_lane_groups_of_padding_bit_for_bit(padding):
+    """A prompt's left padding (-inf bias) is skipped in whole groups of 8 columns, which keeps the
+    result bitwise what summing those columns' zero weights gives: the same padding masked with a
+    finite -1e30 instead (weights exactly 0 as well, but not skippable) gives the same bits. The
+    second prompt has no padding; its rows are unchanged either way. A row of the first prompt
+    that masks fewer columns than the others keeps them all (the skip is the least of its rows')."""
+    heads, kv_heads, dim, width, max_new, steps, group_size = 4, 2, 16, 41, 12, 7, 3
+    inputs = list(_attention_inputs(5, heads, kv_heads, dim, width, max_new, group_size, 2))
+    bias = inputs[5]
+    skipped, summed = bias.clone(), bias.clone()
+    skipped[:group_size, ..., :padding] = float("-inf")
+    summed[:group_size, ..., :padding] = -1e30
+    skipped[1, ..., padding - 8:padding] = summed[1, ..., padding - 8:padding] = 0.25  # row 1 masks 8 fewer
+    scale = dim ** -0.5
+    got = decode_kernels.attention(inputs[0], heads, group_size, *inputs[1:5], steps, skipped, scale)
+    want = decode_kernels.attention(inputs[0], heads, group_size, *inputs[1:5], steps, summed, scale)
+    assert torch.equal(got, want)
+    expected = _reference_attention(inputs[0], heads, group_size, *inputs[1:5], steps, skipped, scale)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
 def test_decode_attention_takes_a_prompt_with_many_rows_in_parts():
     """A prompt's rows x query heads per KV head past the kernel's 256 go in parts that share the
     prefix: 130 rows x 2 heads here, so parts of 128 rows and 2."""

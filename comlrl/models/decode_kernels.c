@@ -540,28 +540,48 @@ static inline __attribute__((always_inline)) void shared_values(int nq, const fl
 }
 
 /* Up to 4 queries' prefix scores or prefix values at a time, by count (a switch, so each tile
- * size is compiled with constant bounds and its sums stay in registers). */
-static void shared_prefix_scores(int64_t n, const float *const *q, const float *keys, int64_t width, int64_t dim,
-                          const float *const *bias, float scale, float *const *scores) {
+ * size is compiled with constant bounds and its sums stay in registers): `count` key columns of a
+ * prefix whose key rows are `key_stride` apart, value rows `dim` apart. */
+static void shared_prefix_scores(int64_t n, const float *const *q, const float *keys, int64_t key_stride,
+                                 int64_t count, int64_t dim, const float *const *bias, float scale,
+                                 float *const *scores) {
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int64_t i = 0; i < n; i += 4)  /* 4 queries x 3 blocks: 12 sums in flight */
         switch (n - i >= 4 ? 4 : n - i) {
-            case 4: tile_scores(4, 3, q + i, keys, width, width, dim, bias + i, vscale, scores + i); break;
-            case 3: tile_scores(3, 3, q + i, keys, width, width, dim, bias + i, vscale, scores + i); break;
-            case 2: tile_scores(2, 3, q + i, keys, width, width, dim, bias + i, vscale, scores + i); break;
-            default: tile_scores(1, 3, q + i, keys, width, width, dim, bias + i, vscale, scores + i); break;
+            case 4: tile_scores(4, 3, q + i, keys, key_stride, count, dim, bias + i, vscale, scores + i); break;
+            case 3: tile_scores(3, 3, q + i, keys, key_stride, count, dim, bias + i, vscale, scores + i); break;
+            case 2: tile_scores(2, 3, q + i, keys, key_stride, count, dim, bias + i, vscale, scores + i); break;
+            default: tile_scores(1, 3, q + i, keys, key_stride, count, dim, bias + i, vscale, scores + i); break;
         }
 }
 
-static void shared_prefix_values(int64_t n, const float *const *probs, const float *values, int64_t width, int64_t dim,
+static void shared_prefix_values(int64_t n, const float *const *probs, const float *values, int64_t count, int64_t dim,
                           float *const *out) {
     for (int64_t i = 0; i < n; i += 4)
         switch (n - i >= 4 ? 4 : n - i) {
-            case 4: shared_values(4, probs + i, values, width, dim, out + i); break;
-            case 3: shared_values(3, probs + i, values, width, dim, out + i); break;
-            case 2: shared_values(2, probs + i, values, width, dim, out + i); break;
-            default: shared_values(1, probs + i, values, width, dim, out + i); break;
+            case 4: shared_values(4, probs + i, values, count, dim, out + i); break;
+            case 3: shared_values(3, probs + i, values, count, dim, out + i); break;
+            case 2: shared_values(2, probs + i, values, count, dim, out + i); break;
+            default: shared_values(1, probs + i, values, count, dim, out + i); break;
         }
+}
+
+/* How many of a prompt's first prefix columns every pass over `rows` of its rows may skip: the
+ * left padding all of them mask (-inf in their bias rows; a prompt's rows share it), rounded down
+ * to whole 8-column lane groups. Those columns' probabilities are exactly 0, so their terms add
+ * nothing to the softmax's sum or to the values' sums; and starting a row's softmax a whole lane
+ * group later keeps every column in its lane, so each lane sums the same terms in the same order:
+ * the results are the same bit for bit, from less work (a batch's shorter prompts are padded to
+ * its longest; the L benchmark's sampling calls skip 224 of their 1,894 prompt columns). */
+static int64_t padding_to_skip(const float *bias, int64_t bias_stride, int64_t rows, int64_t width) {
+    int64_t skip = width;
+    for (int64_t r = 0; r < rows && skip >= 8; r++) {
+        const float *row = bias + r * bias_stride;
+        int64_t masked = 0;
+        while (masked < skip && row[masked] == -INFINITY) masked++;
+        skip = masked;
+    }
+    return skip / 8 * 8;
 }
 
 /* The most queries comlrl_decode_attention takes together (its pointer arrays): a prompt with
@@ -594,13 +614,14 @@ void comlrl_decode_attention(int64_t rows, int64_t kv_heads, int64_t group, int6
                              const float *bias, int64_t bias_stride, float scale, float *out, float *scratch) {
     const int64_t heads = kv_heads * group, count = width + steps;
     const int64_t part_rows = ATTENTION_QUERIES / group > 0 ? ATTENTION_QUERIES / group : 1;
-    const float *qs[part_rows * group], *biases[part_rows * group];
-    float *scores[part_rows * group], *outs[part_rows * group];
+    const float *qs[part_rows * group], *biases[part_rows * group], *kept_biases[part_rows * group];
+    float *scores[part_rows * group], *outs[part_rows * group], *kept_scores[part_rows * group];
     for (int64_t r0 = 0, prompt_rows; r0 < rows; r0 += prompt_rows) {  /* a prompt's rows, or part of them */
         const int64_t prompt = r0 / group_size, prompt_end = (prompt + 1) * group_size;
         const int64_t end = prompt_end < rows ? prompt_end : rows;
         prompt_rows = end - r0 < part_rows ? end - r0 : part_rows;
         const int64_t n = prompt_rows * group;
+        const int64_t skip = padding_to_skip(bias + r0 * bias_stride, bias_stride, prompt_rows, width);
         for (int64_t kv = 0; kv < kv_heads; kv++) {
             for (int64_t i = 0; i < n; i++) {  /* query i: row r0 + i / group, head kv * group + i % group */
                 const int64_t r = r0 + i / group, h = kv * group + i % group;
@@ -608,9 +629,11 @@ void comlrl_decode_attention(int64_t rows, int64_t kv_heads, int64_t group, int6
                 biases[i] = bias + r * bias_stride;
                 scores[i] = scratch + i * count;
                 outs[i] = out + (r * heads + h) * dim;
+                kept_biases[i] = biases[i] + skip;
+                kept_scores[i] = scores[i] + skip;
             }
-            shared_prefix_scores(n, qs, prefix_keys + (prompt * kv_heads + kv) * dim * width, width, dim, biases, scale,
-                          scores);
+            shared_prefix_scores(n, qs, prefix_keys + (prompt * kv_heads + kv) * dim * width + skip, width, width - skip,
+                                 dim, kept_biases, scale, kept_scores);
             for (int64_t r = r0; r < r0 + prompt_rows; r++) {  /* own columns: the row's query heads in pairs */
                 const float *ok = keys + (r * kv_heads + kv) * dim * max_new;
                 const int64_t first = (r - r0) * group;
@@ -624,9 +647,9 @@ void comlrl_decode_attention(int64_t rows, int64_t kv_heads, int64_t group, int6
                     head_scores(1, qs + i, ok, max_new, steps, dim, biases[i] + width, scale, own);
                 }
             }
-            for (int64_t i = 0; i < n; i++) softmax(scores[i], count);
-            shared_prefix_values(n, (const float *const *)scores, prefix_values + (prompt * kv_heads + kv) * width * dim,
-                          width, dim, outs);
+            for (int64_t i = 0; i < n; i++) softmax(kept_scores[i], count - skip);
+            shared_prefix_values(n, (const float *const *)kept_scores,
+                                 prefix_values + ((prompt * kv_heads + kv) * width + skip) * dim, width - skip, dim, outs);
             for (int64_t r = r0; r < r0 + prompt_rows; r++) {
                 const float *ov = values + (r * kv_heads + kv) * max_new * dim;
                 const int64_t first = (r - r0) * group;
