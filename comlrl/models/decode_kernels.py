@@ -49,7 +49,7 @@ target attribute) into `$COMLRL_KERNEL_CACHE` (default `~/.cache/comlrl/kernels`
 builds it. Without a compiler, or with `COMLRL_DECODE_KERNELS=0`, torch ops do all of this.
 
 The kernels sum each row's products in input order, one fused multiply-add at a time, so a row's
-result does not depend on how many rows share the call (a sample does not depend on its batch),
+result does not depend on how many rows share the call (the products do not tie a sample to its batch),
 and it differs from MKL's only by float rounding (tested against `torch.bmm`).
 """
 
