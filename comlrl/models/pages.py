@@ -1,5 +1,6 @@
-"""Fresh memory and its page faults: a sampling call's KV cache on transparent huge pages, and
-freed memory kept for reuse (`keep_freed_memory`).
+"""Fresh memory and its page faults: a sampling call's KV cache (and the step buffers of the
+projection records, `lean._StackedRecord`) on transparent huge pages, and freed memory kept for
+reuse (`keep_freed_memory`).
 
 The first write to each 4 KiB page of fresh memory costs a page fault, measured at 1.7-2 us on the
 benchmark hosts, and the decode cache is fresh memory on every sampling call (8 MB at the L
