@@ -589,7 +589,8 @@ class _StackedRecord:
             # against ~260 for the calls after it, ~330 without records). Alternating processes on an
             # AVX2 EPYC, that first call (4 each): 286-466 -> 245-353 ms; peak RSS +2.5 MB (S-medium).
             widths = [n for n in features if n is not None] * layers + ([vocab] if vocab is not None else [])
-            arena = pages.Arena(sum(max_new_tokens * agents * rows * n * 4 + pages.ALIGN for n in widths))
+            fp32 = torch.float32.itemsize  # records exist only where the whole step runs in fp32
+            arena = pages.Arena(sum(max_new_tokens * agents * rows * n * fp32 + pages.ALIGN for n in widths))
             take = functools.partial(arena.take, max_new_tokens, agents, rows)
             self.steps = [tuple(None if n is None else take(n) for n in features) for _ in decoder.layers]
             self.logits_steps = None if vocab is None else take(vocab)

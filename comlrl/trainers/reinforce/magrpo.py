@@ -664,7 +664,8 @@ class MAGRPOTrainer:
             chunk = slice(start * k, (start + len(chunk_nodes)) * k)
             prompt_ids, prompt_mask = samples.prompt_ids[chunk_nodes], samples.prompt_mask[chunk_nodes]
             # Drop the columns that are padding in every row (left of the prompts, right of the
-            # completions: the mask is a prefix), keeping widths on a few bucketed shapes.
+            # completions: the mask is a prefix), widths rounded as `width_buckets` says for these
+            # products (a few shapes where oneDNN builds a kernel per shape, else exact).
             prompt_columns = prompt_mask.shape[1]
             first_column = prompt_columns - bucketed_width(
                 prompt_columns - int(prompt_mask.any(dim=0).nonzero()[0]), prompt_columns, buckets)
