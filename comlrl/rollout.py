@@ -289,9 +289,9 @@ def _decode(model, batches: List[_PromptBatch], settings: SamplingSettings, comp
     max_new, k = settings.max_new_tokens, settings.num_generations
     decoder, record = None, None
     if leans[0] is not None:
-        decoder = StackedLeanDecoder(leans)
-        del leans[:]  # the stacked copies now hold what decoding needs
         prompts = batches[0].prompt_ids.shape[0]
+        decoder = StackedLeanDecoder(leans, rows=prompts * k)
+        del leans[:]  # the stacked copies now hold what decoding needs
         if record_projections and decoder.can_record and not use_cuda_graphs(device, max_new):
             record = _StackedRecord(decoder, prompts, width, prompts * k, max_new)
         logits, cache = decoder.prefill(torch.cat([s.prompt_ids for s in batches]),

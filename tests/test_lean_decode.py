@@ -165,7 +165,8 @@ def test_agents_of_one_architecture_decode_together_and_sample_what_they_sample_
     keys = [[(agent, node) for node in range(2)] for agent in range(3)]
     stacks = []
     original = rollout.StackedLeanDecoder
-    monkeypatch.setattr(rollout, "StackedLeanDecoder", lambda decoders: stacks.append(len(decoders)) or original(decoders))
+    monkeypatch.setattr(rollout, "StackedLeanDecoder",
+                        lambda decoders, **kw: stacks.append(len(decoders)) or original(decoders, **kw))
     together = rollout.sample_agents(models, [tok] * 3, prompts, settings, keys, [dtype] * 3)
     assert stacks == [3]  # one decode for all three agents
     for i in range(3):
@@ -183,7 +184,8 @@ def test_agents_of_different_architectures_are_sampled_apart(tiny_model_dir, tin
     prompts, keys = [["Hi:"], ["Hi:"]], [[("s",)], [("m",)]]
     stacks = []
     original = rollout.StackedLeanDecoder
-    monkeypatch.setattr(rollout, "StackedLeanDecoder", lambda decoders: stacks.append(len(decoders)) or original(decoders))
+    monkeypatch.setattr(rollout, "StackedLeanDecoder",
+                        lambda decoders, **kw: stacks.append(len(decoders)) or original(decoders, **kw))
     together = rollout.sample_agents([small, medium], toks, prompts, settings, keys, [None, None])
     assert stacks == [1, 1]  # each agent decodes on its own
     for model, tok, got, p, k in zip([small, medium], toks, together, prompts, keys):
@@ -199,7 +201,8 @@ def test_agents_above_the_fusion_size_decode_apart_and_sample_the_same(tiny_mode
     prompts, keys = [["Hi:", "Yo:"], ["Hey:", "A"]], [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
     stacks = []
     original = rollout.StackedLeanDecoder
-    monkeypatch.setattr(rollout, "StackedLeanDecoder", lambda decoders: stacks.append(len(decoders)) or original(decoders))
+    monkeypatch.setattr(rollout, "StackedLeanDecoder",
+                        lambda decoders, **kw: stacks.append(len(decoders)) or original(decoders, **kw))
     fused = rollout.sample_agents(models, [tok] * 2, prompts, settings, keys, [None, None])
     assert stacks == [2]
     # On the CPU its own (lower) line decides.

@@ -248,6 +248,49 @@ def test_sampling_records_what_the_update_recomputes(tiny_model_dir):
         s.recorded.release()
 
 
+def test_six_wide_panels_sample_and_record_what_sixteen_wide_ones_do(tiny_model_dir, monkeypatch):
+    """At whole blocks of 16 rows per agent, AVX2 CPUs decode through 6-wide panels (weights
+    streamed once per step); every token, recorded projection and recorded logit equals what the
+    16-wide kernels give, bit for bit."""
+    if decode_kernels.library() is None:
+        pytest.skip("no kernel library here")
+    models = [load_causal_lm(tiny_model_dir), _perturbed(load_causal_lm(tiny_model_dir), 5)]
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prompts = ["Sixteen rows, two prompts.", "Hi"]
+    settings = SamplingSettings(num_generations=8, max_new_tokens=9, temperature=1.0, top_p=1.0, top_k=None)
+    keys = [[("six", i, a) for i in range(len(prompts))] for a in range(2)]
+    widths = []
+    packed = decode_kernels.PanelWeights.__init__
+
+    def noting_width(self, *args, **kwargs):
+        packed(self, *args, **kwargs)
+        widths.append(self.width)
+
+    monkeypatch.setattr(decode_kernels.PanelWeights, "__init__", noting_width)
+    results = {}
+    for width in (None, 16):  # None: the width `panel_width` picks for 16 rows
+        if width is not None:
+            monkeypatch.setattr(decode_kernels, "panel_width", lambda rows: width)
+        widths.clear()
+        results[width] = sample_agents(models, [tokenizer] * 2, [prompts] * 2, settings, keys, [None, None],
+                                       record_projections=True)
+        assert set(widths) == {width or (16 if decode_kernels.AVX512_PANELS else 6)}
+    for chosen, wide in zip(results[None], results[16]):
+        assert torch.equal(chosen.completion_ids, wide.completion_ids)
+        written = chosen.completion_ids.shape[1] - 1
+        for layer_chosen, layer_wide in zip(chosen.recorded.steps, wide.recorded.steps):
+            for a, b in zip(layer_chosen, layer_wide):
+                assert (a is None) == (b is None) and (a is None or torch.equal(a[:written], b[:written]))
+        for layer_chosen, layer_wide in zip(chosen.recorded.prompt, wide.recorded.prompt):
+            for a, b in zip(layer_chosen, layer_wide):
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+        assert chosen.recorded.logits is not None
+        assert torch.equal(chosen.recorded.logits[0], wide.recorded.logits[0])
+        assert torch.equal(chosen.recorded.logits[1][:written + 1], wide.recorded.logits[1][:written + 1])
+    for s in results[None] + results[16]:
+        s.recorded.release()
+
+
 def test_agents_decoding_apart_each_find_their_step_buffers_again(tiny_model_dir, monkeypatch):
     """Agents above the fusion size decode one after the other, each into its own record, both
     alive at once; once released, the next call's records reuse both sets of step buffers."""

@@ -150,7 +150,9 @@ class StackedLeanDecoder:
     the same whether its agent decodes alone or with others (batched matmuls round per agent alike).
     """
 
-    def __init__(self, decoders: List[LeanDecoder]):
+    def __init__(self, decoders: List[LeanDecoder], rows: Optional[int] = None):
+        """`rows`: each agent's decode rows (prompts x K), where known: it picks the C kernels'
+        panel width (`decode_kernels.panel_width`)."""
         first = decoders[0]
         if any(fusion_signature(d) != fusion_signature(first) for d in decoders):
             raise ValueError("StackedLeanDecoder needs decoders of one architecture, dtype and device.")
@@ -168,15 +170,16 @@ class StackedLeanDecoder:
         # sampling call (see `fuse_decoding` for when stacking agents pays).
         self.embed = torch.cat([d.embed for d in decoders]) if self.count > 1 else first.embed  # row a*vocab+t
         self._token_offsets = torch.zeros(0, dtype=torch.long)
-        self.lm_head = _AgentProjections([d.lm_head for d in decoders])
+        width = decode_kernels.panel_width(rows)
+        self.lm_head = _AgentProjections([d.lm_head for d in decoders], panel_width=width)
         self.layers: List[_StackedLayer] = []
         for index in range(len(first.layers)):
             layers = [d.layers[index] for d in decoders]
             self.layers.append(_StackedLayer(
-                qkv=_AgentProjections([layer.qkv for layer in layers], reuse_output=True),
-                o=_AgentProjections([layer.o for layer in layers], reuse_output=True),
-                gate_up=_AgentProjections([layer.gate_up for layer in layers], reuse_output=True),
-                down=_AgentProjections([layer.down for layer in layers], reuse_output=True),
+                qkv=_AgentProjections([layer.qkv for layer in layers], reuse_output=True, panel_width=width),
+                o=_AgentProjections([layer.o for layer in layers], reuse_output=True, panel_width=width),
+                gate_up=_AgentProjections([layer.gate_up for layer in layers], reuse_output=True, panel_width=width),
+                down=_AgentProjections([layer.down for layer in layers], reuse_output=True, panel_width=width),
                 eps=layers[0].eps,
             ))
         # Projection records (`ProjectionRecord`) need the panel kernel's outputs and the step's
@@ -831,7 +834,8 @@ class _AgentProjections:
     MKL call per agent (2 x 16 rows, 256 -> 768: 240 against 274 us). Off the CPU one agent's
     weight is used as a view."""
 
-    def __init__(self, projections: List[onednn.PackedLinear], reuse_output: bool = False):
+    def __init__(self, projections: List[onednn.PackedLinear], reuse_output: bool = False,
+                 panel_width: Optional[int] = None):
         self.packed = all(p.packed for p in projections)
         # With `reuse_output`, the panel kernel writes every call into one buffer (replaced when the
         # row count changes, e.g. from the prefill's to the steps'), overwritten by the next call:
@@ -848,12 +852,13 @@ class _AgentProjections:
         if all(isinstance(p, _FoldedLinear) for p in projections):
             self.panels = decode_kernels.PanelWeights([p.parts for p in projections],
                                                       None if biases[0] is None else biases,
-                                                      norms=[p.norm for p in projections])
+                                                      width=panel_width, norms=[p.norm for p in projections])
             return
         weights = [p.weight for p in projections]
         single = len(weights) == 1
         if decode_kernels.runs(weights[0]):
-            self.panels = decode_kernels.PanelWeights(weights, None if biases[0] is None else biases)
+            self.panels = decode_kernels.PanelWeights(weights, None if biases[0] is None else biases,
+                                                      width=panel_width)
             return
         if weights[0].device.type == "cpu":
             # MKL's small-row products read an (in, out) weight that is not in cache faster than its
