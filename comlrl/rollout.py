@@ -263,15 +263,18 @@ def _sample_group(models, tokenizers, prompts, settings: SamplingSettings, keys,
     width = max(ids.shape[1] for ids, _ in encoded)  # fused agents share one (bucketed) width
     encoded = [(F.pad(ids, (width - ids.shape[1], 0), value=pad), F.pad(mask, (width - mask.shape[1], 0), value=0))
                for (ids, mask), pad in zip(encoded, pad_ids)]
-    was_training = [m.training for m in models]
-    for model in models:
+    # Only the model's own forward reads train/eval mode (dropout); a lean decoder runs none. Each
+    # switch walks every module (~0.8 ms for the medium tiny model), so lean agents keep theirs.
+    own_forward = [m for m, lean in zip(models, leans) if lean is None]
+    was_training = [m.training for m in own_forward]
+    for model in own_forward:
         model.eval()
     try:
         batches = [_prompt_batch(p, ids.to(device), mask.to(device), settings, key, eos, pad)
                   for p, (ids, mask), key, eos, pad in zip(prompts, encoded, keys, eos_ids, pad_ids)]
         generated, records = _decode(models[0], batches, settings, compute_dtype, leans, width, record_projections)
     finally:
-        for model, training in zip(models, was_training):
+        for model, training in zip(own_forward, was_training):
             model.train(training)
     rows = batches[0].positions.shape[0]
     return [_finish(t, s, generated[i * rows:(i + 1) * rows], None if records is None else records[i])

@@ -134,6 +134,61 @@ def test_lean_and_model_forward_sample_the_same_tokens(tiny_model_dir, monkeypat
     assert torch.equal(lean.completion_ids, plain.completion_ids)
 
 
+def test_sampling_switches_to_eval_mode_only_for_the_models_own_forward(tiny_model_dir, monkeypatch):
+    """The lean decoder runs no dropout and leaves the model's mode alone; sampling through the model's
+    own forward puts it in eval mode (no dropout: the same tokens) and restores its mode after."""
+    model, tok = load_causal_lm(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5  # a training-mode forward of the model would drop
+    model.train()
+    switches = []
+
+    def train(self, mode=True):
+        switches.append(mode)
+        return torch.nn.Module.train(self, mode)
+
+    monkeypatch.setattr(type(model), "train", train)
+    settings = SamplingSettings(num_generations=2, max_new_tokens=12, temperature=0.8, top_p=0.9, top_k=50)
+    lean = sample_completions(model, tok, ["Hi:"], settings, keys=[("m",)])
+    assert switches == [] and model.training
+    monkeypatch.setattr(rollout, "lean_decoder_for", lambda model, compute_dtype=None: None)
+    plain = sample_completions(model, tok, ["Hi:"], settings, keys=[("m",)])
+    assert switches == [False, True] and all(m.training for m in model.modules())
+    assert torch.equal(lean.completion_ids, plain.completion_ids)
+
+
+@pytest.mark.parametrize("model", MODELS[:2], ids=MODEL_IDS[:2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rotation_tables_are_bitwise_the_rotary_modules_rotations(model, dtype):
+    """The CPU's per-module table of rotations gives, row for row, what the rotary module computes
+    for any batch of positions: in a decode's (rows, steps) shape and a loss chunk's (1, tokens),
+    before and after the table grows, and built inside inference mode but read outside it."""
+    rotary, like = model.model.rotary_emb, model.model.embed_tokens.weight.detach().to(dtype)
+    lean_module._POSITION_ROTATIONS.pop(rotary, None)
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        lean_module._rotation_table(rotary, like, torch.arange(5).repeat(3, 1))
+    built = lean_module._POSITION_ROTATIONS[rotary][1]
+    assert built.shape[0] == 256 and not built.is_inference()
+    for positions in [torch.randint(0, 256, (4, 9), generator=generator),
+                      torch.randint(0, 256, (1, 531), generator=generator),
+                      torch.randint(0, 1500, (2, 33), generator=generator)]:  # past the first table: it grows
+        cached = lean_module._rotation_table(rotary, like, positions)
+        assert cached.shape[:-1] == positions.shape + (1,)
+        assert torch.equal(cached, lean_module._rotations(rotary, like, positions))
+    assert lean_module._POSITION_ROTATIONS[rotary][1].shape[0] == 2048
+
+
+def test_dynamic_rope_types_are_computed_per_call():
+    """A dynamic rope type rescales its frequencies by the lengths it sees, so it gets no table."""
+    model = tiny(LlamaConfig, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    rotary = model.model.rotary_emb
+    assert not lean_module._static_rotary(rotary)
+    lean_module._rotation_table(rotary, model.model.embed_tokens.weight, torch.arange(7).unsqueeze(0))
+    assert rotary not in lean_module._POSITION_ROTATIONS
+    assert lean_module._static_rotary(MODELS[0].model.rotary_emb)
+
+
 def test_unknown_architectures_fall_back():
     from transformers import GPT2Config
 

@@ -416,3 +416,22 @@ def test_objects_from_before_training_are_frozen_for_the_collector_while_it_runs
     else:  # the user's own freeze is left as it is: neither extended nor undone (frozen objects
         # that lose their last reference are still freed, so the count may only shrink)
         assert before > 10_000 and max(seen) <= before and before // 2 < after <= before
+
+
+def test_an_update_puts_every_module_of_its_agent_in_training_mode(tiny_model_dir, monkeypatch):
+    """Updates train in training mode; the walk over every module is skipped where nothing is off it."""
+    from comlrl.trainers.reinforce import magrpo
+
+    agent = load_causal_lm(tiny_model_dir)
+    calls = []
+    monkeypatch.setattr(type(agent), "train", lambda self, mode=True: calls.append(mode) or torch.nn.Module.train(self, mode))
+    agent.train()
+    calls.clear()
+    magrpo._training_mode(agent)
+    assert calls == []
+    agent.model.layers[0].mlp.eval()
+    magrpo._training_mode(agent)
+    assert calls == [True] and all(m.training for m in agent.modules())
+    agent.eval()
+    magrpo._training_mode(agent)
+    assert all(m.training for m in agent.modules())

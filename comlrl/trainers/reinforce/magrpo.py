@@ -239,6 +239,15 @@ class _GradientBuffers:
             p.grad = None
 
 
+def _training_mode(agent) -> None:
+    """`agent.train()`, skipped where every module is in training mode already (sampling through a
+    lean decoder leaves the mode alone): the call walks every module and costs ~0.8 ms on the
+    medium tiny model, once per agent and update. Every switch of mode goes through `train()`
+    (`eval()` too), so a model's hub-kernel mode, which `train()` also sets, follows its modules'."""
+    if not all(module.training for module in agent.modules()):
+        agent.train()
+
+
 def _drop_unused_gradients(optimizer: torch.optim.Optimizer, versions: Dict[int, int]) -> None:
     """Set to None every gradient the backward pass did not write to since it was lent zeroed
     (a parameter the loss did not use, e.g. an expert no token was routed to), so the optimizer
@@ -585,7 +594,7 @@ class MAGRPOTrainer:
         k = a.num_generations
         device = self.devices[agent_index]
         scaled_losses, length_sum, length_count = [], 0.0, 0
-        agent.train()
+        _training_mode(agent)
         for turn in turns:
             samples = turn.samples[agent_index]
             advantages = group_advantages(completion_returns(turn, agent_index, k).float(),
