@@ -177,6 +177,8 @@ def test_rotation_tables_are_bitwise_the_rotary_modules_rotations(model, dtype):
         assert cached.shape[:-1] == positions.shape + (1,)
         assert torch.equal(cached, lean_module._rotations(rotary, like, positions))
     assert lean_module._POSITION_ROTATIONS[rotary][1].shape[0] == 2048
+    negative = torch.tensor([[-3, 0, 5]])  # not a table row: the module computes them
+    assert torch.equal(lean_module._rotation_table(rotary, like, negative), lean_module._rotations(rotary, like, negative))
 
 
 def test_dynamic_rope_types_are_computed_per_call():

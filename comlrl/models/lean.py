@@ -935,7 +935,9 @@ def _rotation_table(rotary, like: torch.Tensor, positions: torch.Tensor) -> torc
     for `training_ops.rotate_pairs`. On the CPU, rows of a table per rotary module
     (`_position_rotations`) where its rotations depend on the position alone."""
     if like.device.type == "cpu" and positions.numel() and _static_rotary(rotary):
-        return _position_rotations(rotary, like, int(positions.max()) + 1)[positions]
+        lowest, highest = (int(v) for v in torch.aminmax(positions))
+        if lowest >= 0:
+            return _position_rotations(rotary, like, highest + 1)[positions]
     return _rotations(rotary, like, positions)
 
 
