@@ -250,10 +250,44 @@ def summarise(runs: list[dict]) -> dict:
     }
 
 
+#: The host's speed right now: fp32 products of one shape (an L loss chunk's rows by a 1024-wide
+#: weight) on one thread, in a process of its own. The benchmark hosts are shared, and their product
+#: speed moved by ~20% within minutes (70.7-86.4 GFLOP/s over 40 samples in 2 minutes); our side is
+#: bound by products and follows it more closely than CoMLRL, whose time is mostly per-call
+#: overhead. Measured before each round of alternating runs, so that a reader can tell a run's
+#: spell from its code.
+HOST_PROBE = """
+import time, torch
+torch.set_num_threads(1)
+a, b = torch.randn(534, 1024), torch.randn(1024, 256)
+for _ in range(5):
+    a.mm(b)
+start, products = time.perf_counter(), 0
+while time.perf_counter() - start < {seconds}:
+    a.mm(b)
+    products += 1
+print(2 * 534 * 1024 * 256 * products / (time.perf_counter() - start) / 1e9)
+"""
+
+
+def host_probe(seconds: float = 0.5) -> float | None:
+    """`HOST_PROBE`'s GFLOP/s under the project venv's torch (None if it could not run)."""
+    result = subprocess.run([ours_python(), "-c", HOST_PROBE.format(seconds=seconds)], capture_output=True,
+                            text=True, env=_env_for("ours"))
+    try:
+        return round(float(result.stdout.split()[-1]), 1)
+    except (ValueError, IndexError):
+        return None
+
+
 def run_workload(wl: Workload, libs: list[str], repeats: int, seed: int, log_dir: Path) -> dict:
     mdir = model_dir(wl.size)
     runs: dict[str, list[dict]] = {lib: [] for lib in libs}
+    probes = []
     for rep in range(repeats):
+        probes.append(host_probe())
+        _log(f"[bench] {wl.name:9s} round {rep + 1}/{repeats}: host probe {probes[-1]} GFLOP/s "
+             "(fp32 products, one thread)")
         for lib in libs:  # A B A B ...
             res = run_once(lib, wl, mdir, seed, log_dir, rep)
             runs[lib].append(res)
@@ -264,7 +298,7 @@ def run_workload(wl: Workload, libs: list[str], repeats: int, seed: int, log_dir
                 + (f" (of which file-backed huge pages {res['file_huge_pages_mb']:.0f} MB: not the workload's memory)"
                    if res.get("file_huge_pages_mb", 0.0) >= 8 else "")
             )
-    entry = {"workload": asdict(wl), "description": wl.describe()}
+    entry = {"workload": asdict(wl), "description": wl.describe(), "host_probe_gflops": probes}
     for lib in libs:
         entry[lib] = summarise(runs[lib])
     for side in ("ours", "ours-bf16"):
@@ -402,6 +436,10 @@ def machine_line(info: dict, date: str) -> str:
         if info.get("loadavg_end"):
             load += f", {info['loadavg_end'][0]} at end"
         load += "."
+    probes = info.get("host_probe_gflops")
+    if probes:
+        spread = f"{min(probes):.1f}" if min(probes) == max(probes) else f"{min(probes):.1f}-{max(probes):.1f}"
+        load += f" Host speed probe before each round (fp32 products, one thread): {spread} GFLOP/s."
     skipped = info.get("bf16_skipped")
     skipped = f" {skipped[0].upper()}{skipped[1:]}." if skipped else ""
     return (
@@ -511,6 +549,7 @@ def main(argv=None) -> int:
     info = machine_info(results)
     info["loadavg_start"] = load_start
     info["loadavg_end"] = loadavg()
+    info["host_probe_gflops"] = [p for entry in results.values() for p in entry["host_probe_gflops"] if p is not None]
     if bf16_skipped:
         info["bf16_skipped"] = bf16_skipped
     table = markdown_table(results)

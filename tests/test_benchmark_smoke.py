@@ -19,6 +19,10 @@ def test_benchmark_harness_runs_the_smoke_setting():
     output = result.stdout + result.stderr
     assert "smoke" in output and "ours" in output
     assert "CoMLRL 1.4.3  run" not in output  # the reference venv is only built by a full run
+    # The host's speed is measured before the round and reported with the table.
+    probe = output.split("host probe ", 1)[1].split(" GFLOP/s", 1)[0]
+    assert float(probe) > 0
+    assert "Host speed probe before each round" in output
 
 
 def test_real_shape_throughput_mode_runs(tmp_path):
