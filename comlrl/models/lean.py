@@ -954,8 +954,8 @@ _POSITION_ROTATIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _position_rotations(rotary, like: torch.Tensor, positions: int) -> torch.Tensor:
     """`rotary`'s rotations for positions 0 .. at least `positions` - 1, (positions, 1, head_dim / 2),
-    built once per module, dtype and frequency tensor (rebuilt, twice as long, when a run reaches
-    past it). Each rotation is the rotary module's arithmetic on that position alone (the
+    built once per module, dtype and frequency tensor (rebuilt up to the next power of two when a
+    run reaches past it). Each rotation is the rotary module's arithmetic on that position alone (the
     frequency times the position, then cos and sin), so a row of the table is bitwise what a call
     with any batch of positions gives (tested). Indexing it costs ~45 us where the rotary module
     cost ~350 us (an L loss chunk's 534 positions; it runs twice per sampling call and once per
@@ -966,7 +966,7 @@ def _position_rotations(rotary, like: torch.Tensor, positions: int) -> torch.Ten
     known = _POSITION_ROTATIONS.get(rotary)
     if known is not None and known[0] == key and known[1].shape[0] >= positions:
         return known[1]
-    length = max(256, 1 << (positions - 1).bit_length(), 0 if known is None or known[0] != key else known[1].shape[0])
+    length = max(256, 1 << (positions - 1).bit_length())  # past any table it replaces: that one was too short
     with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whichever mode first asks
         table = _rotations(rotary, like, torch.arange(length, device=like.device).unsqueeze(0))[0]
     _POSITION_ROTATIONS[rotary] = (key, table)
